@@ -1,0 +1,190 @@
+"""The greenlet scheduler: round-robin order, isolation, failures that never hang, no leaks."""
+
+import gc
+import threading
+
+import greenlet
+import pytest
+import torch
+
+from ubatch.context import ForwardContext, get_forward_context, override_forward_context
+from ubatch.scheduler import UbatchScheduler, current_ubatch_id, yield_ubatch
+
+
+def _stepper(log, steps):
+    def task():
+        uid = current_ubatch_id()
+        for step in range(steps):
+            log.append((uid, step))
+            yield_ubatch()
+        return uid
+
+    return task
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_round_robin_order_is_deterministic(n):
+    sched = UbatchScheduler(n, "cpu")
+    log = []
+    results = sched.run([_stepper(log, 3) for _ in range(n)])
+    assert results == list(range(n))
+    assert log == [(u, step) for step in range(3) for u in range(n)]
+
+
+def test_uneven_ubatches_finish_independently():
+    sched = UbatchScheduler(3, "cpu")
+    log = []
+    results = sched.run([_stepper(log, 1), _stepper(log, 3), _stepper(log, 2)])
+    assert results == [0, 1, 2]
+    assert log == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (1, 2)]
+
+
+def test_fewer_tasks_than_ubatches_and_too_many():
+    sched = UbatchScheduler(4, "cpu")
+    assert sched.run([_stepper([], 2)]) == [0]
+    with pytest.raises(ValueError, match="1 to 4 ubatches, got 5"):
+        sched.run([_stepper([], 1)] * 5)
+
+
+def test_yield_and_id_outside_a_ubatch_are_noops():
+    assert current_ubatch_id() is None
+    yield_ubatch()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_bad_num_ubatches(bad):
+    with pytest.raises(ValueError, match="num_ubatches"):
+        UbatchScheduler(bad, "cpu")
+
+
+def test_bad_timeout_and_streams_on_cpu():
+    with pytest.raises(ValueError, match="timeout_s"):
+        UbatchScheduler(2, "cpu", timeout_s=0)
+    with pytest.raises(ValueError, match="not CUDA"):
+        UbatchScheduler(2, "cpu", comm_stream=object())
+
+
+def test_each_ubatch_sees_its_own_forward_context():
+    sched = UbatchScheduler(3, "cpu")
+    seen = []
+
+    def task_for(i):
+        def task():
+            with override_forward_context(ForwardContext(ubatch_id=i, additional_kwargs={"i": i})):
+                for _ in range(3):
+                    ctx = get_forward_context()
+                    seen.append((current_ubatch_id(), ctx.ubatch_id, ctx.additional_kwargs["i"]))
+                    yield_ubatch()
+
+        return task
+
+    parent = ForwardContext(additional_kwargs={"parent": True})
+    with override_forward_context(parent):
+        sched.run([task_for(i) for i in range(3)])
+        assert get_forward_context() is parent
+    assert all(a == b == c for a, b, c in seen) and len(seen) == 9
+
+
+def test_grad_mode_is_the_callers_and_restored():
+    sched = UbatchScheduler(2, "cpu")
+
+    def task():
+        states = [torch.is_grad_enabled()]
+        if current_ubatch_id() == 0:
+            torch.set_grad_enabled(True)
+        yield_ubatch()
+        states.append(torch.is_grad_enabled())
+        return states
+
+    with torch.no_grad():
+        results = sched.run([task, task])
+        assert not torch.is_grad_enabled()
+    assert results == [[False, True], [False, False]]
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("fail_step", [0, 1, 2])
+def test_failure_in_any_ubatch_aborts_the_rest_and_is_reraised(n, fail_step):
+    sched = UbatchScheduler(n, "cpu")
+    for failing in range(n):
+        started, cleaned = set(), set()
+
+        def task():
+            uid = current_ubatch_id()
+            started.add(uid)
+            try:
+                for step in range(3):
+                    if uid == failing and step == fail_step:
+                        raise Boom(f"bad ubatch {uid}")
+                    yield_ubatch()
+            finally:
+                cleaned.add(uid)
+
+        with pytest.raises(Boom, match=f"bad ubatch {failing}") as info:
+            sched.run([task] * n)
+        assert f"raised in ubatch {failing}" in "".join(getattr(info.value, "__notes__", []))
+        if fail_step == 0:
+            assert started == set(range(failing + 1)), "ubatches after the failing one must not start"
+        assert cleaned == started, "every started ubatch unwinds"
+        log = []
+        assert sched.run([_stepper(log, 2) for _ in range(n)]) == list(range(n))
+
+
+def test_exception_type_is_kept_for_base_exceptions():
+    sched = UbatchScheduler(2, "cpu")
+
+    def task():
+        if current_ubatch_id() == 1:
+            raise KeyboardInterrupt
+        yield_ubatch()
+
+    with pytest.raises(KeyboardInterrupt):
+        sched.run([task, task])
+    assert sched.run([_stepper([], 1)] * 2) == [0, 1]
+
+
+def test_run_is_not_reentrant():
+    sched = UbatchScheduler(2, "cpu")
+
+    def task():
+        sched.run([_stepper([], 1)] * 2)
+
+    with pytest.raises(RuntimeError, match="not re-entrant"):
+        sched.run([task, task])
+
+
+def test_no_thread_or_greenlet_leak_over_many_calls():
+    sched = UbatchScheduler(3, "cpu")
+    tasks = [_stepper([], 2) for _ in range(3)]
+    sched.run(tasks)
+    gc.collect()
+    threads = threading.active_count()
+    greenlets = sum(type(o) is greenlet.greenlet for o in gc.get_objects())
+    for _ in range(1000):
+        sched.run(tasks)
+    gc.collect()
+    assert threading.active_count() == threads
+    assert sum(type(o) is greenlet.greenlet for o in gc.get_objects()) == greenlets
+
+
+def test_one_scheduler_from_two_threads():
+    sched = UbatchScheduler(2, "cpu")
+    results, errors = {}, []
+
+    def worker(name):
+        try:
+            for _ in range(200):
+                results[name] = sched.run([_stepper([], 3)] * 2)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and results == {"a": [0, 1], "b": [0, 1]}

@@ -1,0 +1,157 @@
+"""Collectives that overlap with other ubatches' compute.
+
+Each function has torch.distributed's signature (plus ``timeout``). Outside a ubatch it is the
+plain torch.distributed call. Inside one, it launches on the scheduler's comm stream after the
+compute that produced its input, yields to the next ubatch while the transfer is in flight, and
+makes the compute stream wait for the result before returning. With no process group (or a
+group of one rank) the collective is a local copy, so the reference models run in one process.
+
+Outputs are passed in by the caller, who allocates them on the compute stream that consumes
+them, and the input is held until the compute stream has waited for the transfer: the comm
+stream never owns a block that the compute stream could reuse too early (the cross-stream
+allocator hazard in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ubatch import scheduler
+
+ReduceOp = dist.ReduceOp
+
+
+def _world_size(group: Any) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _check_tensor(name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _run(
+    op_name: str,
+    launch: Callable[[bool], Any],
+    local: Callable[[], None],
+    group: Any,
+    async_op: bool,
+    timeout: float | None,
+) -> Any:
+    """Run one collective: plainly, locally (one rank), or overlapped inside a ubatch."""
+    ubatch = scheduler.current_ubatch()
+    if _world_size(group) == 1:
+        local()
+        if ubatch is not None:
+            scheduler.yield_ubatch()
+        return None
+    if ubatch is None or async_op:
+        return launch(async_op)
+    ubatch.run_collective(op_name, launch, timeout)
+    return None
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: float | None = None,
+) -> Any:
+    """``dist.all_to_all_single``, overlapped inside a ubatch."""
+    _check_tensor("output", output)
+    _check_tensor("input", input)
+
+    def launch(is_async: bool) -> Any:
+        return dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=is_async
+        )
+
+    def local() -> None:
+        if output.shape != input.shape:
+            raise ValueError(
+                f"all_to_all_single with one rank needs output.shape == input.shape, "
+                f"got {tuple(output.shape)} and {tuple(input.shape)}"
+            )
+        output.copy_(input)
+
+    return _run("all_to_all_single", launch, local, group, async_op, timeout)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: float | None = None,
+) -> Any:
+    """``dist.all_reduce`` (in place), overlapped inside a ubatch."""
+    _check_tensor("tensor", tensor)
+
+    def launch(is_async: bool) -> Any:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=is_async)
+
+    return _run("all_reduce", launch, lambda: None, group, async_op, timeout)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: float | None = None,
+) -> Any:
+    """``dist.all_gather_into_tensor``, overlapped inside a ubatch."""
+    _check_tensor("output_tensor", output_tensor)
+    _check_tensor("input_tensor", input_tensor)
+
+    def launch(is_async: bool) -> Any:
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=is_async)
+
+    def local() -> None:
+        if output_tensor.numel() != input_tensor.numel():
+            raise ValueError(
+                f"all_gather_into_tensor with one rank needs equal sizes, got {output_tensor.numel()} "
+                f"and {input_tensor.numel()} elements"
+            )
+        output_tensor.view(-1).copy_(input_tensor.reshape(-1))
+
+    return _run("all_gather_into_tensor", launch, local, group, async_op, timeout)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: float | None = None,
+) -> Any:
+    """``dist.reduce_scatter_tensor``, overlapped inside a ubatch."""
+    _check_tensor("output", output)
+    _check_tensor("input", input)
+
+    def launch(is_async: bool) -> Any:
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=is_async)
+
+    def local() -> None:
+        if output.numel() != input.numel():
+            raise ValueError(
+                f"reduce_scatter_tensor with one rank needs equal sizes, got {output.numel()} "
+                f"and {input.numel()} elements"
+            )
+        output.view(-1).copy_(input.reshape(-1))
+
+    return _run("reduce_scatter_tensor", launch, local, group, async_op, timeout)

@@ -1,0 +1,317 @@
+"""Run N ubatches as persistent greenlets on the caller's thread, handing off round-robin.
+
+Why greenlets: a switch costs about a microsecond, all ubatches stay on the caller's thread (so
+CUDA-graph capture, grad mode and autocast are the caller's), and no thread is created per step.
+Why round-robin: every rank issues its collectives in the same order, so NCCL/gloo stay matched.
+
+Streams (CUDA): each ubatch has its own compute stream and all share one comm stream. At every
+hand-off the outgoing ubatch records an event that the incoming one's stream waits on, so compute
+runs in host issue order across ubatches. That order is what makes ubatch i's KV write at layer L
+land before ubatch i+1's attention at layer L reads it (a request straddling the split). The
+overlap comes from the comm stream: a collective runs there while the next ubatch computes. On
+CPU the same code runs with no streams at all.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import greenlet
+import torch
+
+from ubatch.trace import StepTrace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_current: contextvars.ContextVar[UbatchState | None] = contextvars.ContextVar("ubatch_state", default=None)
+
+
+class UbatchAborted(BaseException):
+    """Thrown into a suspended ubatch when another one failed; never escapes the scheduler."""
+
+
+def current_ubatch() -> UbatchState | None:
+    """The running ubatch's state, or None outside a ubatch."""
+    return _current.get()
+
+
+def current_ubatch_id() -> int | None:
+    """The running ubatch's index (0-based), or None outside a ubatch."""
+    state = _current.get()
+    return None if state is None else state.ubatch_id
+
+
+def yield_ubatch() -> None:
+    """Let the next ubatch run; a no-op outside a ubatch."""
+    state = _current.get()
+    if state is not None:
+        state.yield_now()
+
+
+@dataclass
+class UbatchState:
+    """One ubatch's identity, streams and the events that order its work."""
+
+    ubatch_id: int
+    scheduler: UbatchScheduler
+    compute_stream: Any = None
+    handoff_event: Any = None
+    comm_ready_event: Any = None
+    comm_done_event: Any = None
+    grad_enabled: bool = True
+    segment_start: Any = None
+
+    def yield_now(self) -> None:
+        self.scheduler._yield_from(self)
+
+    def run_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None) -> None:
+        """Issue a collective on the comm stream (CUDA) or asynchronously (CPU), yield, then wait."""
+        sched = self.scheduler
+        if self.compute_stream is not None:
+            self.comm_ready_event.record(self.compute_stream)
+            sched.comm_stream.wait_event(self.comm_ready_event)
+            start = sched.trace.mark(sched.comm_stream) if sched.trace else None
+            with torch.cuda.stream(sched.comm_stream):
+                launch(False)
+            self.comm_done_event.record(sched.comm_stream)
+            if sched.trace:
+                sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark(sched.comm_stream))
+            self.yield_now()
+            self.compute_stream.wait_event(self.comm_done_event)
+            return
+        start = sched.trace.mark() if sched.trace else None
+        work = launch(True)
+        self.yield_now()
+        limit = sched.timeout_s if timeout is None else timeout
+        try:
+            work.wait(timedelta(seconds=limit))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"ubatch {self.ubatch_id} waited more than {limit:g} s for {op_name} "
+                f"(a peer rank may have failed or left): {exc}"
+            ) from exc
+        if sched.trace:
+            sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark())
+
+
+@dataclass
+class _Pool:
+    """The worker greenlets of one scheduler on one thread (greenlets cannot cross threads)."""
+
+    workers: list[greenlet.greenlet] = field(default_factory=list)
+    driver: greenlet.greenlet | None = None
+
+
+class UbatchScheduler:
+    """Runs callables as ubatches; see the module docstring for the ordering rules."""
+
+    def __init__(
+        self,
+        num_ubatches: int,
+        device: torch.device | str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        compute_streams: Sequence[Any] | None = None,
+        comm_stream: Any = None,
+    ) -> None:
+        if not isinstance(num_ubatches, int) or num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.num_ubatches = num_ubatches
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.timeout_s = float(timeout_s)
+        self.is_cuda = self.device.type == "cuda"
+        self._local = threading.local()
+        self.trace: StepTrace | None = None
+        self.compute_streams: list[Any] = []
+        self.comm_stream: Any = None
+        if self.is_cuda:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self._make_streams(compute_streams, comm_stream)
+        elif compute_streams is not None or comm_stream is not None:
+            raise ValueError(f"streams were given but the device is {self.device}, not CUDA")
+        self._states = [self._make_state(i) for i in range(num_ubatches)]
+
+    def _make_streams(self, compute_streams: Sequence[Any] | None, comm_stream: Any) -> None:
+        if compute_streams is not None and len(compute_streams) != self.num_ubatches:
+            raise ValueError(
+                f"need one compute stream per ubatch ({self.num_ubatches}), got {len(compute_streams)}"
+            )
+        with torch.cuda.device(self.device):
+            self.compute_streams = list(compute_streams or [torch.cuda.Stream() for _ in range(self.num_ubatches)])
+            self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
+
+    def _make_state(self, i: int) -> UbatchState:
+        state = UbatchState(ubatch_id=i, scheduler=self)
+        if self.is_cuda:
+            state.compute_stream = self.compute_streams[i]
+            state.handoff_event = torch.cuda.Event()
+            state.comm_ready_event = torch.cuda.Event()
+            state.comm_done_event = torch.cuda.Event()
+        return state
+
+    def prepare(self) -> None:
+        """Create this thread's workers and every stream's cuBLAS handle before any graph capture.
+
+        A cuBLAS handle created inside a capture breaks it (DESIGN.md), so touch one per stream.
+        """
+        self._pool()
+        if self.is_cuda:
+            with torch.cuda.device(self.device):
+                for stream in [*self.compute_streams, self.comm_stream]:
+                    with torch.cuda.stream(stream):
+                        torch.cuda.current_blas_handle()
+
+    def start_trace(self) -> StepTrace:
+        """Record compute and comm intervals of the following calls until ``stop_trace()``."""
+        self.trace = StepTrace(is_cuda=self.is_cuda)
+        return self.trace
+
+    def stop_trace(self) -> StepTrace | None:
+        trace, self.trace = self.trace, None
+        return trace
+
+    def _pool(self) -> _Pool:
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = _Pool()
+            self._local.pool = pool
+        while len(pool.workers) < self.num_ubatches:
+            pool.workers.append(greenlet.greenlet(_worker_loop))
+        return pool
+
+    def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``tasks[i]`` as ubatch i and return their results in order.
+
+        If one raises, the others are aborted (those not yet started never start), and the
+        exception is re-raised here with the ubatch id noted; the scheduler stays usable.
+        """
+        n = len(tasks)
+        if not 1 <= n <= self.num_ubatches:
+            raise ValueError(f"this scheduler runs 1 to {self.num_ubatches} ubatches, got {n} tasks")
+        pool = self._pool()
+        if pool.driver is not None:
+            raise RuntimeError("UbatchScheduler.run is not re-entrant: a ubatch called it again")
+        pool.driver = greenlet.getcurrent()
+        caller_stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        grad_enabled = torch.is_grad_enabled()
+        try:
+            return self._drive(pool, tasks, caller_stream, grad_enabled)
+        finally:
+            pool.driver = None
+            torch.set_grad_enabled(grad_enabled)
+            if caller_stream is not None:
+                torch.cuda.set_stream(caller_stream)
+
+    def _drive(
+        self, pool: _Pool, tasks: Sequence[Callable[[], Any]], caller_stream: Any, grad_enabled: bool
+    ) -> list[Any]:
+        n = len(tasks)
+        states = self._states[:n]
+        if caller_stream is not None:
+            for state in states:
+                state.compute_stream.wait_stream(caller_stream)
+        for state in states:
+            state.grad_enabled = grad_enabled
+        results: list[Any] = [None] * n
+        started = [False] * n
+        active = list(range(n))
+        previous: UbatchState | None = None
+        while active:
+            for i in list(active):
+                state = states[i]
+                self._enter(state, previous)
+                if started[i]:
+                    kind, value = pool.workers[i].switch(None)
+                else:
+                    started[i] = True
+                    kind, value = pool.workers[i].switch((state, tasks[i], pool))
+                self._leave(state)
+                previous = state
+                if kind == "yield":
+                    continue
+                active.remove(i)
+                if kind == "error":
+                    self._abort(pool, [j for j in active if started[j]], states)
+                    self._join(states, caller_stream)
+                    _note_ubatch(value, i)
+                    raise value
+                results[i] = value
+        self._join(states, caller_stream)
+        return results
+
+    def _enter(self, state: UbatchState, previous: UbatchState | None) -> None:
+        torch.set_grad_enabled(state.grad_enabled)
+        if state.compute_stream is not None:
+            if previous is not None and previous is not state:
+                state.compute_stream.wait_event(previous.handoff_event)
+            torch.cuda.set_stream(state.compute_stream)
+        if self.trace:
+            state.segment_start = self.trace.mark(state.compute_stream)
+
+    def _leave(self, state: UbatchState) -> None:
+        state.grad_enabled = torch.is_grad_enabled()
+        if self.trace:
+            self.trace.add(state.ubatch_id, "compute", "compute", state.segment_start, self.trace.mark(state.compute_stream))
+        if state.compute_stream is not None:
+            state.handoff_event.record(state.compute_stream)
+
+    def _abort(self, pool: _Pool, suspended: list[int], states: list[UbatchState]) -> None:
+        for j in suspended:
+            self._enter(states[j], None)
+            kind, value = pool.workers[j].throw(UbatchAborted())
+            self._leave(states[j])
+            if kind == "error":
+                logger.warning("ubatch %d also failed while aborting: %r", j, value)
+
+    def _join(self, states: list[UbatchState], caller_stream: Any) -> None:
+        if caller_stream is None:
+            return
+        torch.cuda.set_stream(caller_stream)
+        for state in states:
+            caller_stream.wait_stream(state.compute_stream)
+        caller_stream.wait_stream(self.comm_stream)
+
+    def _yield_from(self, state: UbatchState) -> None:
+        self._local.pool.driver.switch(("yield", None))
+
+
+def _worker_loop(first: tuple[UbatchState, Callable[[], Any], _Pool]) -> None:
+    """A persistent ubatch: run one task per call, report back, park until the next call."""
+    job: tuple[UbatchState, Callable[[], Any], _Pool] | None = first
+    while True:
+        state, task, pool = job
+        token = _current.set(state)
+        try:
+            message = ("done", task())
+        except UbatchAborted:
+            message = ("aborted", None)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's greenlet
+            message = ("error", exc)
+        finally:
+            _current.reset(token)
+        job = pool.driver.switch(message)
+
+
+def _note_ubatch(exc: BaseException, ubatch_id: int) -> None:
+    note = f"raised in ubatch {ubatch_id}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.args = (*exc.args, note) if exc.args else (note,)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
