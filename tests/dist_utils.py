@@ -1,0 +1,51 @@
+"""Run a test body in N gloo processes (CPU), re-raising the first failure in the parent."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120) -> None:
+    """``fn(rank, world_size, *args)`` in ``world_size`` processes sharing a gloo process group."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(rank, world_size, init_file, fn, args, errors), daemon=True)
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if not errors.empty():
+            raise AssertionError(errors.get())
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s")
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise AssertionError(f"ranks exited with codes {codes}")

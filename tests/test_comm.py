@@ -1,0 +1,91 @@
+"""Overlapped collectives: equal to the plain torch.distributed calls, inside and outside ubatches."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from ubatch import comm, set_forward_context
+from ubatch.scheduler import UbatchScheduler, current_ubatch_id
+from ubatch.slicing import split_batch
+from ubatch.wrapper import UBatchWrapper
+
+
+def _collectives(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every collective once, on a [tokens, hidden] input; world size from the default group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    reduced = x.clone()
+    comm.all_reduce(reduced)
+    exchanged = torch.empty_like(x)
+    comm.all_to_all_single(exchanged, x.contiguous())
+    gathered = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+    comm.all_gather_into_tensor(gathered, x.contiguous())
+    scattered = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype)
+    comm.reduce_scatter_tensor(scattered, x.contiguous())
+    return [reduced, exchanged, gathered, scattered]
+
+
+def _ubatched_equals_plain(rank, world_size, n):
+    torch.manual_seed(rank)
+    slices = split_batch([4] * n, n)
+    x = torch.randn(4 * n, 3)
+    wrapper = UBatchWrapper(lambda t: _collectives(t), num_ubatches=n, device="cpu")
+    with set_forward_context(None, ubatch_slices=slices):
+        got = wrapper(x)
+    parts = [_collectives(x[s.token_slice]) for s in slices]
+    expected = [torch.cat([p[k] for p in parts]) for k in range(4)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ubatched_collectives_equal_plain_ones_gloo(n):
+    run_distributed(_ubatched_equals_plain, 2, n)
+
+
+def test_single_process_collectives_are_local_copies():
+    x = torch.randn(4, 3)
+    reduced, exchanged, gathered, scattered = _collectives(x)
+    for t in (reduced, exchanged, gathered, scattered):
+        assert torch.equal(t, x)
+
+
+def test_single_process_collectives_still_yield_inside_ubatches():
+    order = []
+
+    def task():
+        x = torch.ones(2)
+        order.append((current_ubatch_id(), "before"))
+        comm.all_reduce(x)
+        order.append((current_ubatch_id(), "after"))
+
+    UbatchScheduler(2, "cpu").run([task, task])
+    assert order == [(0, "before"), (1, "before"), (0, "after"), (1, "after")]
+
+
+def test_bad_arguments_raise_type_and_value_errors():
+    with pytest.raises(TypeError, match="output must be a torch.Tensor, got list"):
+        comm.all_to_all_single([1], torch.zeros(2))
+    with pytest.raises(ValueError, match=r"output.shape == input.shape, got \(3,\) and \(2,\)"):
+        comm.all_to_all_single(torch.zeros(3), torch.zeros(2))
+
+
+def _peer_missing(rank, world_size):
+    if rank == 1:
+        time.sleep(6)
+        return
+    sched = UbatchScheduler(2, "cpu", timeout_s=2)
+
+    def task():
+        comm.all_reduce(torch.ones(2))
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ubatch 0 waited more than 2 s for all_reduce"):
+        sched.run([task, task])
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_missing_peer_gives_a_timeout_error_not_a_hang():
+    run_distributed(_peer_missing, 2, timeout_s=60)
