@@ -1,0 +1,736 @@
+"""ubatch.attention: layer, metadata, paged KV cache, backends, and the skip_attention path.
+
+Every backend is checked against a dense float64 reference that never touches the cache: each
+request's full Q/K/V sequence is drawn up front, fed to the layer chunk by chunk, and each
+step's outputs are compared with explicit causal softmax over the tokens seen so far.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ubatch.attention import (
+    Attention,
+    AttentionMetadata,
+    BlockPool,
+    FlashAttentionBackend,
+    PagedKVCache,
+    TorchBackend,
+    available_backends,
+    build_attention_metadata,
+    get_attention_context,
+    get_backend,
+    write_kv,
+)
+from ubatch.attention.backends import load_flash_attn
+from ubatch.context import set_forward_context
+
+LAYER = "model.layers.0.attn"
+
+
+def reference_attention(q, k, v, start, scale):
+    """Dense causal attention in float64: ``q [n, H, D]`` at positions ``start..start+n-1``
+    over ``k``/``v`` ``[>= start+n, KVH, D]``; query head h reads KV head h // (H / KVH)."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    k = k[: start + n].double().repeat_interleave(group, dim=1)
+    v = v[: start + n].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    key_pos = torch.arange(start + n).view(1, -1)
+    query_pos = torch.arange(start, start + n).view(-1, 1)
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class Scenario:
+    """Requests with known full Q/K/V, a shuffled block table, and the layer under test."""
+
+    def __init__(
+        self,
+        lengths,
+        *,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        block_size=4,
+        backend="torch",
+        dtype=torch.float32,
+        device="cpu",
+        seed=0,
+    ):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.block_size = block_size
+        self.lengths = list(lengths)
+        self.q = [
+            torch.randn(n, num_heads, head_dim, generator=self.gen, dtype=torch.float64)
+            for n in lengths
+        ]
+        self.k = [
+            torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64)
+            for n in lengths
+        ]
+        self.v = [
+            torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64)
+            for n in lengths
+        ]
+        blocks_per_req = [-(-n // block_size) for n in lengths]
+        num_blocks = sum(blocks_per_req) + 3  # spare blocks stay untouched
+        pool = BlockPool(num_blocks)
+        ids = pool.allocate(num_blocks)
+        random.Random(seed).shuffle(ids)  # non-contiguous, out-of-order blocks
+        self.blocks, at = [], 0
+        for nb in blocks_per_req:
+            self.blocks.append(ids[at : at + nb])
+            at += nb
+        self.done = [0] * len(lengths)
+        self.registry = {}
+        self.layer = Attention(
+            num_heads,
+            head_dim,
+            num_kv_heads,
+            layer_name=LAYER,
+            backend=backend,
+            registry=self.registry,
+        )
+        self.cache = PagedKVCache(
+            [LAYER],
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.layer.kv_cache = self.cache[LAYER]
+
+    def slot(self, r, pos):
+        return self.blocks[r][pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def batch(self, chunks, num_pad=0):
+        """Inputs and metadata for one step: ``chunks`` is [(request, num_new_tokens)]."""
+        qs, ks, vs, slots, query_lens, seq_lens, rows = [], [], [], [], [], [], []
+        for r, n in chunks:
+            start = self.done[r]
+            assert start + n <= self.lengths[r]
+            qs.append(self.q[r][start : start + n])
+            ks.append(self.k[r][start : start + n])
+            vs.append(self.v[r][start : start + n])
+            slots += [self.slot(r, p) for p in range(start, start + n)]
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            rows.append(self.blocks[r])
+        for parts in (qs, ks, vs):  # padding rows carry garbage that must not leak anywhere
+            parts.append(
+                torch.randn(num_pad, *parts[0].shape[1:], generator=self.gen, dtype=torch.float64)
+                * 100
+            )
+        slots += [-1] * num_pad
+        width = max(len(b) for b in rows)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
+        md = build_attention_metadata(
+            query_lens,
+            seq_lens,
+            table,
+            torch.tensor(slots, dtype=torch.int64),
+            device=self.device,
+        )
+        q, k, v = (torch.cat(p).to(self.dtype).to(self.device) for p in (qs, ks, vs))
+        return q.flatten(1), k.flatten(1), v.flatten(1), md
+
+    def expected(self, chunks):
+        outs = []
+        for r, n in chunks:
+            start = self.done[r]
+            outs.append(
+                reference_attention(
+                    self.q[r][start : start + n], self.k[r], self.v[r], start, self.layer.scale
+                )
+            )
+        return torch.cat(outs).flatten(1)
+
+    def step(self, chunks, num_pad=0, atol=1e-5, rtol=1e-5):
+        q, k, v, md = self.batch(chunks, num_pad)
+        with set_forward_context({LAYER: md}, no_compile_layers=self.registry):
+            out = self.layer(q, k, v)
+        n = md.num_actual_tokens
+        assert out.shape == q.shape and out.dtype == self.dtype
+        torch.testing.assert_close(
+            out[:n].double().cpu(), self.expected(chunks), atol=atol, rtol=rtol
+        )
+        assert torch.count_nonzero(out[n:]) == 0, "padding rows must be zero"
+        for r, n_new in chunks:
+            self.done[r] += n_new
+        return out
+
+    def check_cache(self):
+        """Every written slot holds its token's K/V; every other slot is still zero."""
+        kv = self.cache[LAYER].cpu().double().flatten(1, 2)  # [2, slots, KVH, D]
+        expect = torch.zeros_like(kv)
+        for r, done in enumerate(self.done):
+            for p in range(done):
+                expect[0, self.slot(r, p)] = self.k[r][p].to(self.dtype).double()
+                expect[1, self.slot(r, p)] = self.v[r][p].to(self.dtype).double()
+        assert torch.equal(kv, expect)
+
+
+def random_schedule(lengths, rng, max_pad=3):
+    """Steps mixing prefill, chunked continuation, decode and multi-token requests; requests
+    join at different steps so one batch holds several phases."""
+    done = [0] * len(lengths)
+    steps = []
+    while any(d < n for d, n in zip(done, lengths)):
+        active = [r for r, (d, n) in enumerate(zip(done, lengths)) if d < n]
+        chosen = sorted(rng.sample(active, rng.randint(1, len(active))))
+        rng.shuffle(chosen)
+        chunks = []
+        for r in chosen:
+            left = lengths[r] - done[r]
+            n = 1 if done[r] and rng.random() < 0.5 else rng.randint(1, left)
+            chunks.append((r, min(n, left)))
+            done[r] += chunks[-1][1]
+        steps.append((chunks, rng.randint(0, max_pad)))
+    return steps
+
+
+GQA = [(4, 4), (8, 2)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_prefill(block_size, heads):
+    sc = Scenario([5, 17, 1, 33], num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size)
+    sc.step([(r, n) for r, n in enumerate(sc.lengths)], num_pad=3)
+    sc.check_cache()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_chunked_prefill_then_decode(block_size, heads):
+    sc = Scenario(
+        [20, 13, 9], num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=1
+    )
+    sc.step([(0, 7), (1, 13), (2, 4)])  # request 0 and 2 are chunked
+    sc.step([(0, 9), (2, 5)], num_pad=2)  # continuations over cached context
+    sc.step([(2, 0), (0, 3)])  # an empty request is tolerated
+    sc.step([(0, 1)], num_pad=1)  # decode
+    sc.check_cache()
+
+
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_decode_batch_and_uniform_multi_token(heads):
+    sc = Scenario(
+        [12, 30, 7, 19, 25], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=2
+    )
+    sc.step([(r, n - 6) for r, n in enumerate(sc.lengths)])
+    for _ in range(3):
+        sc.step([(r, 1) for r in range(5)], num_pad=3)  # decode
+    sc.step([(r, 3) for r in range(5)])  # uniform 3 tokens (spec verification)
+    sc.check_cache()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+    heads = rng.choice(GQA)
+    sc = Scenario(
+        lengths,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        block_size=rng.choice([1, 4, 16]),
+        seed=seed,
+    )
+    for chunks, pad in random_schedule(lengths, rng):
+        sc.step(chunks, num_pad=pad)
+    sc.check_cache()
+
+
+def test_non_causal_attends_whole_context():
+    sc = Scenario([6], block_size=4)
+    q, k, v, md = sc.batch([(0, 6)])
+    md.causal = False
+    with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
+        out = sc.layer(q, k, v)
+    full = sc.q[0].double().transpose(0, 1) @ sc.k[0].double().permute(1, 2, 0) * sc.layer.scale
+    expect = (full.softmax(-1) @ sc.v[0].double().transpose(0, 1)).transpose(0, 1).flatten(1)
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+
+
+# --- skip_attention: the seed regression ------------------------------------------------
+
+
+class SpyBackend:
+    """Records calls; fails the test when called where attention must be skipped."""
+
+    name = "spy"
+
+    def __init__(self, allowed):
+        self.allowed = allowed
+        self.calls = 0
+
+    def forward(self, q, kv_cache, metadata, scale):
+        self.calls += 1
+        if not self.allowed:
+            raise AssertionError("attention backend launched under skip_attention")
+        return TorchBackend().forward(q, kv_cache, metadata, scale)
+
+
+def _seeded_scenario(allowed):
+    """A layer with a spy backend and some context already in its cache."""
+    spy = SpyBackend(allowed=True)
+    sc = Scenario([9, 4], backend=spy, block_size=4)
+    sc.step([(0, 3), (1, 2)])
+    spy.allowed, spy.calls = allowed, 0
+    return sc, spy
+
+
+@pytest.mark.parametrize("explicit_slot_mapping", [True, False])
+def test_skip_attention_seed_regression(explicit_slot_mapping):
+    sc, spy = _seeded_scenario(allowed=False)
+    q, k, v, md = sc.batch([(0, 4), (1, 1)], num_pad=2)
+    raw = {LAYER: md}
+    raw_before = dict(raw)
+    slot_mapping = {LAYER: md.slot_mapping} if explicit_slot_mapping else None
+    cache_before = sc.layer.kv_cache.clone()
+    with set_forward_context(
+        raw, slot_mapping=slot_mapping, skip_attention=True, no_compile_layers=sc.registry
+    ) as ctx:
+        metadata, layer, kv_cache, slots = get_attention_context(LAYER)
+        assert metadata is None
+        assert layer is sc.layer
+        assert kv_cache is sc.layer.kv_cache
+        assert slots is md.slot_mapping
+        out = sc.layer(q, k, v)
+        assert ctx.attn_metadata is raw
+    assert raw == raw_before and raw[LAYER] is md
+    assert spy.calls == 0
+    assert torch.equal(sc.layer.kv_cache, cache_before), "skip_attention must not write KV"
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.count_nonzero(out) == 0
+
+
+def test_without_skip_attention_the_backend_runs():
+    sc, spy = _seeded_scenario(allowed=True)
+    sc.step([(0, 4), (1, 1)], num_pad=2)
+    assert spy.calls == 1
+    sc.check_cache()
+
+
+def test_no_metadata_is_the_profiling_path():
+    sc, spy = _seeded_scenario(allowed=False)
+    q, k, v, _ = sc.batch([(0, 2)])
+    cache_before = sc.layer.kv_cache.clone()
+    with set_forward_context(None, no_compile_layers=sc.registry):
+        assert get_attention_context(LAYER)[0] is None
+        out = sc.layer(q, k, v)
+    assert spy.calls == 0 and torch.count_nonzero(out) == 0
+    assert torch.equal(sc.layer.kv_cache, cache_before)
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="'nope'.*valid.*torch.*flash"):
+        get_backend("nope", "cpu")
+    with pytest.raises(ValueError, match="'nope'"):
+        Attention(4, 8, layer_name="a", backend="nope")
+
+
+def test_flash_on_cpu_is_an_error():
+    with pytest.raises(RuntimeError, match="'flash' needs a CUDA device, got cpu"):
+        get_backend("flash", "cpu")
+    layer = Attention(2, 8, layer_name="a", backend="flash", registry=(reg := {}))
+    layer.kv_cache = torch.zeros(2, 2, 4, 2, 8)
+    md = build_attention_metadata(
+        [1], [1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    )
+    with set_forward_context({"a": md}, no_compile_layers=reg):
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            layer(torch.zeros(1, 16), torch.zeros(1, 16), torch.zeros(1, 16))
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert isinstance(get_backend(None, "cpu"), TorchBackend)
+    assert available_backends("cpu") == ["torch"]
+
+
+def test_heads_not_divisible():
+    with pytest.raises(ValueError, match="num_heads=6 is not divisible by num_kv_heads=4"):
+        Attention(6, 8, 4, layer_name="a")
+
+
+def test_duplicate_layer_name():
+    reg = {}
+    Attention(4, 8, layer_name="dup", registry=reg)
+    with pytest.raises(ValueError, match="duplicate attention layer name 'dup'"):
+        Attention(4, 8, layer_name="dup", registry=reg)
+
+
+def test_missing_layer_in_no_compile_layers():
+    reg = {}
+    Attention(4, 8, layer_name="present", registry=reg)
+    with set_forward_context(None, no_compile_layers=reg):
+        with pytest.raises(
+            RuntimeError, match=r"'absent' is not in .*no_compile_layers.*'present'"
+        ):
+            get_attention_context("absent")
+
+
+def test_metadata_dict_without_this_layer():
+    sc = Scenario([3])
+    q, k, v, md = sc.batch([(0, 3)])
+    with set_forward_context({"other": md}, no_compile_layers=sc.registry):
+        with pytest.raises(RuntimeError, match=f"no entry for attention layer '{LAYER}'.*'other'"):
+            sc.layer(q, k, v)
+
+
+def test_per_ubatch_list_must_be_resolved_by_wrapper():
+    sc = Scenario([3])
+    q, k, v, md = sc.batch([(0, 3)])
+    with set_forward_context([{LAYER: md}, {LAYER: md}], no_compile_layers=sc.registry):
+        with pytest.raises(RuntimeError, match="resolved by UBatchWrapper"):
+            get_attention_context(LAYER)
+
+
+def test_missing_kv_cache():
+    sc = Scenario([3])
+    sc.layer.kv_cache = None
+    q, k, v, md = sc.batch([(0, 3)])
+    with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
+        with pytest.raises(RuntimeError, match=f"'{LAYER}' has no KV cache bound"):
+            sc.layer(q, k, v)
+
+
+def test_bad_input_shapes_and_dtypes():
+    sc = Scenario([3])
+    q, k, v, md = sc.batch([(0, 3)])
+    with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
+        with pytest.raises(ValueError, match=r"k must be \[3, 64\], got \(3, 32\)"):
+            sc.layer(q, k[:, :32], v)
+        with pytest.raises(TypeError, match="v is torch.float64"):
+            sc.layer(q, k, v.double())
+
+
+def test_block_pool_exhaustion_and_double_free():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(RuntimeError, match="asked for 5 blocks but only 1 of 4"):
+        pool.allocate(5)
+    pool.free([1])
+    with pytest.raises(ValueError, match="block id 1 is already free"):
+        pool.free([1])
+    with pytest.raises(ValueError, match="block id 9 is out of range"):
+        pool.free([9])
+    assert sorted(pool.allocate(2)) == [1, 3] and pool.num_free == 0
+
+
+def test_metadata_building_and_validation():
+    md = build_attention_metadata(
+        [3, 1], [3, 8], torch.tensor([[2, 0], [0, 1]]), torch.tensor([8, 9, 10, 7, -1, -1])
+    )
+    assert isinstance(md, AttentionMetadata)
+    assert md.num_reqs == 2 and md.num_actual_tokens == 4
+    assert md.query_start_loc.tolist() == [0, 3, 4] and md.query_start_loc.dtype == torch.int32
+    assert md.seq_lens_cpu.tolist() == [3, 8] and md.seq_lens.dtype == torch.int32
+    assert md.block_table.dtype == torch.int32 and md.slot_mapping.dtype == torch.int64
+    assert (md.max_query_len, md.max_seq_len) == (3, 8)
+    with pytest.raises(ValueError, match="request 1: .*query_len=5, seq_len=4"):
+        build_attention_metadata([1, 5], [1, 4], torch.zeros(2, 2), torch.zeros(6))
+    with pytest.raises(ValueError, match="block_table must be \\[num_reqs=2"):
+        build_attention_metadata([1, 1], [1, 1], torch.zeros(3, 2), torch.zeros(2))
+
+
+def test_paged_kv_cache_layout():
+    cache = PagedKVCache(
+        ["a", "b"],
+        num_blocks=5,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float16,
+        device="cpu",
+    )
+    assert cache["a"].shape == (2, 5, 4, 2, 8) and cache["a"].dtype == torch.float16
+    assert cache["a"].data_ptr() != cache["b"].data_ptr() and list(cache) == ["a", "b"]
+    with pytest.raises(KeyError, match="'c'.*'a', 'b'"):
+        cache["c"]
+
+
+# --- write_kv -----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_write_kv_matches_a_naive_loop(data):
+    num_blocks, block_size = data.draw(st.integers(1, 4)), data.draw(st.sampled_from([1, 2, 4]))
+    num_slots = num_blocks * block_size
+    num_rows = data.draw(st.integers(0, num_slots + 3))
+    real = data.draw(
+        st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_rows, num_slots))
+    )
+    slots = real + [-1] * (num_rows - len(real))
+    slots = data.draw(st.permutations(slots))  # padding anywhere, not only at the end
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    cache = torch.randn(2, num_blocks, block_size, 2, 3, generator=gen)
+    k, v = torch.randn(num_rows, 2, 3, generator=gen), torch.randn(num_rows, 2, 3, generator=gen)
+    expect = cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            expect[0].view(num_slots, 2, 3)[s] = k[i]
+            expect[1].view(num_slots, 2, 3)[s] = v[i]
+    write_kv(cache, k, v, torch.tensor(slots, dtype=torch.int64))
+    assert torch.equal(cache, expect)
+
+
+def test_write_kv_validates():
+    cache = torch.zeros(2, 2, 4, 2, 8)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        write_kv(
+            cache[0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.zeros(1, dtype=torch.int64)
+        )
+    with pytest.raises(TypeError, match="k dtype torch.float16"):
+        write_kv(
+            cache,
+            torch.zeros(1, 2, 8, dtype=torch.float16),
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, dtype=torch.int64),
+        )
+
+
+# --- flash-attn glue, against fake modules that check their arguments ----------------------
+
+
+def _as_metadata(cu_q, seq_lens, block_table, causal):
+    query_lens = (cu_q[1:] - cu_q[:-1]).tolist()
+    seq_lens = seq_lens.tolist()
+    assert all(0 <= q <= s for q, s in zip(query_lens, seq_lens))
+    return build_attention_metadata(
+        query_lens, seq_lens, block_table, torch.full((int(cu_q[-1]),), -1), causal=causal
+    )
+
+
+def _check_common(q, k_cache, v_cache, cu_q, block_table, max_q, scale, causal):
+    assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
+    assert cu_q.dtype == torch.int32 and block_table.dtype == torch.int32
+    assert cu_q.shape == (block_table.shape[0] + 1,) and int(cu_q[0]) == 0
+    assert int(cu_q[-1]) == q.shape[0], "q must hold exactly the real tokens"
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
+    assert causal is True and isinstance(scale, float)
+
+
+def _run_reference(q, k_cache, v_cache, md, scale):
+    return TorchBackend().forward(q, torch.stack([k_cache, v_cache]), md, scale)
+
+
+def fake_fa3(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cache_seqlens,
+    page_table,
+    cu_seqlens_q,
+    max_seqlen_q,
+    softmax_scale,
+    causal,
+):
+    _check_common(
+        q, k_cache, v_cache, cu_seqlens_q, page_table, max_seqlen_q, softmax_scale, causal
+    )
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (page_table.shape[0],)
+    md = _as_metadata(cu_seqlens_q, cache_seqlens, page_table, causal)
+    return _run_reference(q, k_cache, v_cache, md, softmax_scale)
+
+
+def fake_fa4(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_k,
+    page_table,
+    softmax_scale,
+    causal,
+):
+    _check_common(q, k, v, cu_seqlens_q, page_table, max_seqlen_q, softmax_scale, causal)
+    assert seqused_k.dtype == torch.int32 and max_seqlen_k == int(seqused_k.max())
+    md = _as_metadata(cu_seqlens_q, seqused_k, page_table, causal)
+    out = _run_reference(q, k, v, md, softmax_scale)
+    return out, torch.zeros(q.shape[1], q.shape[0])  # FA4 returns (out, lse)
+
+
+def fake_fa2(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    block_table,
+):
+    _check_common(q, k, v, cu_seqlens_q, block_table, max_seqlen_q, softmax_scale, causal)
+    assert k.shape[1] % 256 == 0
+    assert cu_seqlens_k.dtype == torch.int32 and cu_seqlens_k.shape == cu_seqlens_q.shape
+    seq_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    assert max_seqlen_k == int(seq_lens.max())
+    md = _as_metadata(cu_seqlens_q, seq_lens, block_table, causal)
+    return _run_reference(q, k, v, md, softmax_scale)
+
+
+FAKES = {
+    "fa3": ("flash_attn_interface", "flash_attn_with_kvcache", fake_fa3),
+    "fa4": ("flash_attn.cute.interface", "flash_attn_varlen_func", fake_fa4),
+    "fa2": ("flash_attn", "flash_attn_varlen_func", fake_fa2),
+}
+
+
+def install_fakes(monkeypatch, versions):
+    """Make exactly ``versions`` importable (None in sys.modules makes an import fail)."""
+    for name in (
+        "flash_attn_interface",
+        "flash_attn",
+        "flash_attn.cute",
+        "flash_attn.cute.interface",
+    ):
+        monkeypatch.setitem(sys.modules, name, None)
+    for version in versions:
+        module, attr, fn = FAKES[version]
+        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{attr: fn}))
+
+
+@pytest.mark.parametrize(
+    "present, chosen",
+    [(["fa3", "fa4", "fa2"], "fa3"), (["fa4", "fa2"], "fa4"), (["fa2"], "fa2")],
+)
+def test_flash_preference_order(monkeypatch, present, chosen):
+    install_fakes(monkeypatch, present)
+    backend = get_backend("flash", "cuda")
+    assert isinstance(backend, FlashAttentionBackend) and backend.version == chosen
+    assert isinstance(get_backend(None, "cuda"), FlashAttentionBackend)
+    assert available_backends("cuda") == ["torch", "flash"]
+    assert isinstance(get_backend(None, "cpu"), TorchBackend)
+
+
+def test_flash_missing_package(monkeypatch):
+    install_fakes(monkeypatch, [])
+    with pytest.raises(
+        RuntimeError, match=r"flash_attn_interface.*flash_attn\.cute.*pip install ubatch\[flash\]"
+    ):
+        get_backend("flash", "cuda")
+    assert isinstance(get_backend(None, "cuda"), TorchBackend)
+    assert available_backends("cuda") == ["torch"]
+
+
+@pytest.mark.parametrize("version", ["fa3", "fa4", "fa2"])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_flash_glue_matches_reference(monkeypatch, version, heads):
+    install_fakes(monkeypatch, [version])
+    backend, _ = load_flash_attn()
+    assert backend.version == version
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 30) for _ in range(4)]
+    sc = Scenario(
+        lengths,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        block_size=256 if version == "fa2" else 16,
+        backend=backend,
+        seed=7,
+    )
+    for chunks, pad in random_schedule(lengths, rng):
+        sc.step(chunks, num_pad=pad)
+    sc.check_cache()
+
+
+def test_fa2_rejects_small_blocks(monkeypatch):
+    install_fakes(monkeypatch, ["fa2"])
+    sc = Scenario([5], block_size=16, backend=load_flash_attn()[0])
+    with pytest.raises(ValueError, match="block_size % 256 == 0, got block_size=16"):
+        sc.step([(0, 5)])
+
+
+# --- CUDA (run on the GPU machine) --------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_torch_backend_cuda_low_precision(dtype, atol, heads):
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 200) for _ in range(6)]
+    sc = Scenario(
+        lengths,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=64,
+        block_size=16,
+        backend="torch",
+        dtype=dtype,
+        device="cuda",
+        seed=3,
+    )
+    for chunks, pad in random_schedule(lengths, rng):
+        sc.step(chunks, num_pad=pad, atol=atol, rtol=atol)
+    sc.check_cache()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_matches_eager():
+    sc = Scenario(
+        [40, 25, 60, 9],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=4,
+    )
+    sc.step([(0, 30), (1, 20), (2, 50), (3, 5)], atol=2e-2, rtol=2e-2)  # context in the cache
+    q, k, v, md = sc.batch([(0, 3), (1, 1), (2, 1), (3, 2)], num_pad=3)  # fixed shapes
+    cache = sc.layer.kv_cache
+    cache_before = cache.clone()
+    ctx = dict(attn_metadata={LAYER: md}, no_compile_layers=sc.registry)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), set_forward_context(**ctx):
+        for _ in range(2):  # warm-up outside the capture
+            sc.layer(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with set_forward_context(**ctx), torch.cuda.graph(graph):
+        static_out = sc.layer(q, k, v)
+
+    for t in (q, k, v):  # new inputs into the captured buffers
+        t.copy_(torch.randn_like(t))
+    cache.copy_(cache_before)
+    graph.replay()
+    torch.cuda.synchronize()
+    graph_out, graph_cache = static_out.clone(), cache.clone()
+
+    cache.copy_(cache_before)
+    with set_forward_context(**ctx):
+        eager_out = sc.layer(q, k, v)
+    torch.testing.assert_close(graph_out, eager_out, atol=1e-3, rtol=1e-3)
+    assert torch.equal(graph_cache, cache)
+    assert torch.count_nonzero(graph_out[md.num_actual_tokens :]) == 0
+    assert not torch.equal(graph_cache, cache_before)  # the replay did write this step's KV
+    assert math.isfinite(graph_out.float().abs().max().item())

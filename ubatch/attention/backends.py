@@ -1,0 +1,200 @@
+"""Attention backends over the paged KV cache: a torch reference and flash-attn (FA3/FA4/FA2).
+
+A backend computes ``out [num_actual_tokens, H, D]`` from ``q [>= num_actual_tokens, H, D]``,
+the layer's cache tensor ``[2, num_blocks, block_size, kv_heads, D]`` (already holding this
+step's K/V) and the metadata; the layer zero-pads the rows after ``num_actual_tokens``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ubatch.attention.metadata import AttentionMetadata
+
+BACKEND_NAMES = ("torch", "flash")
+_INSTALL_HINT = "install it with `pip install ubatch[flash]`"
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchBackend:
+    """Reference backend, any device: per request, gather its K/V from the block table, repeat
+    KV heads for GQA, and run SDPA with a bottom-right-aligned causal mask. Loops in Python
+    over requests (lengths come from the CPU copies, so there is no device sync)."""
+
+    name = "torch"
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        starts = metadata.query_start_loc_cpu.tolist()
+        out = q.new_empty(starts[-1], num_heads, head_dim)
+        for r, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+            q_start, q_end = starts[r], starts[r + 1]
+            query_len = q_end - q_start
+            if query_len == 0:
+                continue
+            blocks = metadata.block_table[r, : -(-seq_len // block_size)]
+            k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1)[:seq_len] for i in (0, 1))
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            mask = None
+            if metadata.causal and query_len > 1:
+                key_pos = torch.arange(seq_len, device=q.device)
+                last_key = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = key_pos.view(1, -1) <= last_key.view(-1, 1)
+            o = F.scaled_dot_product_attention(
+                q[q_start:q_end].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+            )
+            out[q_start:q_end] = o.transpose(0, 1)
+        return out
+
+
+def _call_fa3(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
+    # Upstream FA3's flash_attn_varlen_func has no paged KV; its paged entry point is
+    # flash_attn_with_kvcache, which takes varlen queries through cu_seqlens_q.
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=md.seq_lens,
+        page_table=md.block_table,
+        cu_seqlens_q=md.query_start_loc,
+        max_seqlen_q=md.max_query_len,
+        softmax_scale=scale,
+        causal=md.causal,
+    )
+
+
+def _call_fa4(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=md.query_start_loc,
+        max_seqlen_q=md.max_query_len,
+        max_seqlen_k=md.max_seq_len,
+        seqused_k=md.seq_lens,
+        page_table=md.block_table,
+        softmax_scale=scale,
+        causal=md.causal,
+    )
+
+
+def _call_fa2(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
+    block_size = k_cache.shape[1]
+    if block_size % 256 != 0:
+        raise ValueError(
+            f"flash-attn 2 reads a paged KV cache only with block_size % 256 == 0, got "
+            f"block_size={block_size}: use a block size of 256 (or a multiple), flash-attn 3/4, "
+            f"or backend='torch'"
+        )
+    # FA2 takes per-request key lengths as cumulative offsets, even for a paged cache.
+    cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=md.query_start_loc,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=md.max_query_len,
+        max_seqlen_k=md.max_seq_len,
+        softmax_scale=scale,
+        causal=md.causal,
+        block_table=md.block_table,
+    )
+
+
+# (version, module, function, caller), in order of preference.
+_FLASH_IMPLS = (
+    ("fa3", "flash_attn_interface", "flash_attn_with_kvcache", _call_fa3),
+    ("fa4", "flash_attn.cute.interface", "flash_attn_varlen_func", _call_fa4),
+    ("fa2", "flash_attn", "flash_attn_varlen_func", _call_fa2),
+)
+
+
+class FlashAttentionBackend:
+    """flash-attn reading the paged cache in place (one kernel for the whole batch)."""
+
+    name = "flash"
+
+    def __init__(self, version: str, fn: Callable) -> None:
+        callers = {v: caller for v, _, _, caller in _FLASH_IMPLS}
+        if version not in callers:
+            raise ValueError(f"unknown flash-attn version {version!r}; valid: {sorted(callers)}")
+        self.version = version
+        self._fn = fn
+        self._call = callers[version]
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        q = q[: metadata.num_actual_tokens]
+        out = self._call(self._fn, q, kv_cache[0], kv_cache[1], metadata, scale)
+        return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+
+
+def load_flash_attn() -> tuple[FlashAttentionBackend | None, list[str]]:
+    """The most preferred importable flash-attn, or None and why each one failed."""
+    failures = []
+    for version, module, attr, _ in _FLASH_IMPLS:
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, OSError, AttributeError) as exc:
+            failures.append(f"{module}.{attr} ({version}): {type(exc).__name__}: {exc}")
+            continue
+        return FlashAttentionBackend(version, fn), failures
+    return None, failures
+
+
+def get_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+    """Resolve a backend for ``device``: None picks flash-attn on CUDA when importable, else
+    torch; naming "flash" where it cannot run is an error rather than a silent fallback."""
+    device = torch.device(device)
+    if name is not None and name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKEND_NAMES)}")
+    if name == "torch" or (name is None and device.type != "cuda"):
+        return TorchBackend()
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"attention backend 'flash' needs a CUDA device, got {device}; "
+            f"use backend='torch' (or None to choose automatically)"
+        )
+    flash, failures = load_flash_attn()
+    if flash is not None:
+        return flash
+    if name is None:
+        return TorchBackend()
+    raise RuntimeError(
+        "attention backend 'flash' needs flash-attn, but none is importable ("
+        + "; ".join(failures)
+        + f"); {_INSTALL_HINT}, or use backend='torch'"
+    )
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backend names that can run on ``device``."""
+    device = torch.device(device)
+    names = ["torch"]
+    if device.type == "cuda" and load_flash_attn()[0] is not None:
+        names.append("flash")
+    return names

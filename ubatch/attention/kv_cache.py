@@ -1,0 +1,142 @@
+"""Paged KV cache tensors, the sync-free KV write, and the block allocator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """One cache tensor per attention layer, shaped ``[2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` (index 0 = K, 1 = V): the paged layout flash-attn reads directly."""
+
+    def __init__(
+        self,
+        layer_names: Sequence[str],
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if len(set(layer_names)) != len(layer_names):
+            raise ValueError(f"layer_names has duplicates: {list(layer_names)}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        self._tensors = {
+            name: torch.zeros(shape, dtype=dtype, device=device) for name in layer_names
+        }
+
+    def __getitem__(self, layer_name: str) -> torch.Tensor:
+        try:
+            return self._tensors[layer_name]
+        except KeyError:
+            raise KeyError(
+                f"no KV cache for layer {layer_name!r}; layers: {sorted(self._tensors)}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``, skipping
+    rows whose slot is negative (padding), without a host sync so it can be graph-captured.
+
+    A fixed-shape write cannot drop rows, so padding rows are redirected to duplicate the first
+    real row (same slot, same K/V bytes): duplicated index_copy_ targets then all carry identical
+    data and the result is deterministic. With no real row at all, padding rows rewrite slot 0
+    with its own current contents. No scratch slot is needed, so the cache layout stays the
+    plain paged one and any tensor of that shape works.
+    """
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    row_shape = tuple(kv_cache.shape[3:])
+    num_rows = slot_mapping.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[1:] != row_shape or t.shape[0] < num_rows:
+            raise ValueError(
+                f"{name} must be [>= {num_rows}, {row_shape[0]}, {row_shape[1]}] to match the "
+                f"cache and slot_mapping, got shape {tuple(t.shape)}"
+            )
+        if t.dtype != kv_cache.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from the KV cache's {kv_cache.dtype}")
+    if num_rows == 0:
+        return
+    k_flat = kv_cache[0].view(num_slots, *row_shape)
+    v_flat = kv_cache[1].view(num_slots, *row_shape)
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int8)).view(1)  # first real row (0 when none)
+    any_valid = valid.any().view(1)
+    target = torch.where(any_valid, slots.index_select(0, first), torch.zeros_like(first))
+    safe_slots = torch.where(valid, slots, target)
+    mask = valid.view(-1, 1, 1)
+    for flat, new in ((k_flat, k[:num_rows]), (v_flat, v[:num_rows])):
+        filler = torch.where(
+            any_valid.view(1, 1, 1), new.index_select(0, first), flat.index_select(0, target)
+        )
+        flat.index_copy_(0, safe_slots, torch.where(mask, new, filler))
+
+
+class BlockPool:
+    """Free list of KV block ids for one runner: ids come out ascending at first, then the most
+    recently freed first (a plain stack; O(1) per block)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack: pop() yields the lowest id
+        self._free_set = set(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise RuntimeError(
+                f"KV cache exhausted: asked for {n} blocks but only {len(self._free)} of "
+                f"{self.num_blocks} are free"
+            )
+        blocks = [self._free.pop() for _ in range(n)]
+        self._free_set.difference_update(blocks)
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        blocks = [int(b) for b in blocks]
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} is out of range [0, {self.num_blocks})")
+            if b in self._free_set:
+                raise ValueError(f"block id {b} is already free (double free)")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks to free contain duplicates: {blocks}")
+        self._free.extend(reversed(sorted(blocks)))
+        self._free_set.update(blocks)

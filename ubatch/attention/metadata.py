@@ -1,0 +1,90 @@
+"""Per-step attention metadata for a flattened variable-length batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened variable-length batch: requests laid end to end along the token dimension.
+
+    A query token at index ``j`` of request ``r`` (query length ``q``, context length ``s``)
+    sits at position ``s - q + j``; with ``causal`` it attends keys ``0 .. s - q + j`` of that
+    request. One shape covers prefill (``q == s``), chunked-prefill continuation (``q < s``),
+    decode (``q == 1``) and uniform multi-token verification. The ``*_cpu`` copies let host
+    code (splitting, the torch backend) read lengths without a device sync.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_reqs], device; context length incl. this step
+    max_query_len: int
+    max_seq_len: int
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens], device; -1 = padding (no KV write)
+    query_start_loc_cpu: torch.Tensor  # int32 CPU copy of query_start_loc
+    seq_lens_cpu: torch.Tensor  # int32 CPU copy of seq_lens
+    causal: bool = True
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return int(self.query_start_loc_cpu[-1])
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    device: torch.device | str | None = None,
+    causal: bool = True,
+) -> AttentionMetadata:
+    """Build metadata from per-request lengths; tensors land on ``device`` (default: the
+    block table's)."""
+    query_lens = [int(n) for n in query_lens]
+    seq_lens = [int(n) for n in seq_lens]
+    if len(query_lens) != len(seq_lens):
+        raise ValueError(
+            f"query_lens has {len(query_lens)} requests but seq_lens has {len(seq_lens)}"
+        )
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        if q < 0 or s < q:
+            raise ValueError(
+                f"request {r}: need 0 <= query_len <= seq_len, got query_len={q}, seq_len={s}"
+            )
+    if block_table.dim() != 2 or block_table.shape[0] != len(seq_lens):
+        raise ValueError(
+            f"block_table must be [num_reqs={len(seq_lens)}, max_blocks], "
+            f"got shape {tuple(block_table.shape)}"
+        )
+    num_tokens = sum(query_lens)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping must be 1-D with at least {num_tokens} entries (the query tokens), "
+            f"got shape {tuple(slot_mapping.shape)}"
+        )
+    device = torch.device(device) if device is not None else block_table.device
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    query_start_loc_cpu = torch.tensor(starts, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc_cpu.to(device),
+        seq_lens=seq_lens_cpu.to(device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_table=block_table.to(device=device, dtype=torch.int32),
+        slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+        causal=causal,
+    )
