@@ -1,0 +1,209 @@
+"""The MoE reference model: shared attention blocks, and a routed-expert FFN with expert
+parallelism over an optional process group.
+
+Dispatch and combine are shape-static: every buffer's shape depends only on the number of
+tokens, so there is no host sync and the path is graph-capturable. Each rank sends a fixed
+``capacity`` rows to every destination rank (worst case ``tokens * top_k`` unless a finite
+``capacity_factor`` is set), the local expert id of each row travels in a parallel int
+all-to-all, and the combine returns rows to the slots they were sent from, so the sender
+gathers them back without any extra routing message. Expert-parallel ranks must run the same
+number of tokens per step (the data-parallel coordinator pads them to the maximum).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ubatch import comm
+from ubatch.models.config import ModelConfig
+from ubatch.models.dense import Decoder
+from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
+
+
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """``comm.all_to_all_single`` over ``group``. No group means one rank even inside a
+    multi-rank job, where ``comm`` would read None as the whole world."""
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        output.copy_(input)
+    else:
+        comm.all_to_all_single(output, input, group=group)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs here: CPU, or bf16 on a Hopper-or-newer GPU, with
+    every row 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(d * torch.finfo(dtype).bits // 8 % 16 for d in dims):
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class MoEFFN(nn.Module):
+    """Top-k softmax router (renormalised top-k weights), routed SwiGLU experts split evenly
+    across ``ep_group``, plus optional shared experts (one fused SwiGLU, tensor-parallel over
+    ``tp_group`` like the dense MLP).
+
+    ``overflow_count`` accumulates, on the device, the (token, expert) assignments dropped for
+    lack of capacity; whoever reads it resets it. ``use_grouped_mm`` selects the expert compute:
+    one grouped GEMM over rows sorted by expert, or a static-shape masked loop over local
+    experts (the fallback where grouped GEMM is unsupported; it computes every local expert on
+    every received row).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        device: torch.device,
+        ep_group: Any = None,
+        tp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        rank, world = group_rank_world(ep_group)
+        check_divisible("num_experts", config.num_experts, world, "expert-parallel")
+        self.name = f"layers.{layer_idx}.moe"
+        self.ep_group = ep_group
+        self.ep_world = world
+        self.top_k = config.top_k
+        self.capacity_factor = config.capacity_factor
+        self.num_local_experts = config.num_experts // world
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+
+        def weight(name: str, shape: tuple[int, int], fan_in: int, dtype: torch.dtype) -> torch.Tensor:
+            return init_weight(shape, seed=config.seed, name=f"{self.name}.{name}", std=fan_in**-0.5,
+                               dtype=dtype, device=device)
+
+        # The router stays in float32: bf16 logits make near-tied routing flip between batches.
+        self.router = frozen(weight("router", (config.num_experts, hidden), hidden, torch.float32))
+        local = range(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
+        self.w13 = frozen(torch.stack([
+            torch.cat([weight(f"experts.{e}.gate", (inter, hidden), hidden, config.dtype),
+                       weight(f"experts.{e}.up", (inter, hidden), hidden, config.dtype)])
+            for e in local
+        ]))
+        self.w2 = frozen(torch.stack([weight(f"experts.{e}.down", (hidden, inter), inter, config.dtype)
+                                      for e in local]))
+        self.shared = None
+        if config.num_shared_experts:
+            self.shared = SwiGLUMLP(hidden, config.num_shared_experts * inter, prefix=f"{self.name}.shared",
+                                    seed=config.seed, dtype=config.dtype, device=device, tp_group=tp_group)
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device),
+                             persistent=False)
+        self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows each rank sends to each destination rank for ``num_tokens`` tokens."""
+        worst = num_tokens * self.top_k
+        if self.capacity_factor is None:
+            return worst
+        return max(1, min(worst, math.ceil(self.capacity_factor * worst / self.ep_world)))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32 summing to 1, expert ids [T, k])."""
+        probs = F.linear(x.float(), self.router).softmax(dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        num_tokens, hidden = x.shape
+        cap, world, n_local = self.capacity(num_tokens), self.ep_world, self.num_local_experts
+        rows = world * cap
+
+        # Slot of each (token, expert) assignment in the send buffer: destination-major, in
+        # token order within a destination; assignments past capacity go to the trash row.
+        dest = (ids // n_local).flatten()
+        onehot = F.one_hot(dest, world)
+        pos = (onehot.cumsum(0) * onehot).sum(-1) - 1
+        kept = pos < cap
+        slot = torch.where(kept, dest * cap + pos, rows)
+        if cap < num_tokens * self.top_k:
+            self.overflow_count += (~kept).sum()
+
+        send = x.new_zeros(rows + 1, hidden)
+        send.index_copy_(0, slot, x.repeat_interleave(self.top_k, dim=0))
+        send_expert = torch.full((rows + 1,), -1, dtype=torch.int64, device=x.device)
+        send_expert.index_copy_(0, slot, (ids % n_local).flatten())
+
+        recv = torch.empty_like(send[:rows])
+        recv_expert = torch.empty_like(send_expert[:rows])
+        _all_to_all(recv, send[:rows], self.ep_group)
+        _all_to_all(recv_expert, send_expert[:rows], self.ep_group)
+
+        expert_out = self._experts(recv, recv_expert)
+        back = x.new_zeros(rows + 1, hidden)
+        _all_to_all(back[:rows], expert_out, self.ep_group)
+
+        routed = back[slot].view(num_tokens, self.top_k, hidden).float()
+        out = (routed * weights[..., None]).sum(dim=1).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def _experts(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each row through its local expert (SwiGLU); rows with expert -1 give zeros."""
+        if self.use_grouped_mm:
+            return self._experts_grouped(x, expert)
+        return self._experts_masked(x, expert)
+
+    def _experts_grouped(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        n_local = self.num_local_experts
+        key = torch.where(expert < 0, n_local, expert)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(n_local + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        offsets = counts[:n_local].cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[order], self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        sorted_out = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+        # Rows past the last offset (padding) are left unwritten by the grouped GEMM.
+        sorted_out = torch.where((key[order] < n_local)[:, None], sorted_out, 0)
+        return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+
+    def _experts_masked(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_local_experts):
+            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+            out += torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, self.w2[e]), 0)
+        return out
+
+
+class MoEDecoder(Decoder):
+    """DeepSeek/Mixtral-style decoder: attention blocks as in the dense model, MoE FFNs with
+    expert parallelism over ``ep_group``.
+
+    ``moe_layers`` maps each MoE layer's name to the layer; ``overflow_counters()`` exposes their
+    dropped-assignment counters for the runner to check after each step.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str,
+        tp_group: Any = None,
+        ep_group: Any = None,
+        attn_backend: Any = None,
+    ) -> None:
+        if not config.num_experts:
+            raise ValueError("MoEDecoder needs a config with num_experts > 0, got num_experts=0")
+        device = torch.device(device)
+
+        def make_moe(i: int) -> nn.Module:
+            return MoEFFN(config, i, device=device, ep_group=ep_group, tp_group=tp_group)
+
+        super().__init__(config, make_moe, device=device, tp_group=tp_group, attn_backend=attn_backend)
+        self.moe_layers: dict[str, MoEFFN] = {layer.ffn.name: layer.ffn for layer in self.layers}
+
+    def overflow_counters(self) -> dict[str, torch.Tensor]:
+        """Layer name -> device counter of assignments dropped for lack of capacity."""
+        return {name: layer.overflow_count for name, layer in self.moe_layers.items()}

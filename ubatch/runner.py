@@ -1,0 +1,409 @@
+"""ModelRunner: requests -> flattened batches, paged KV blocks, attention metadata, greedy steps.
+
+A step is schedule -> build inputs -> execute -> sample -> update, each its own method, and the
+model call sits behind ``execute_model`` alone, so CUDA-graph dispatch or a UBatchWrapper can
+replace it without touching the rest.
+
+Scheduling: decodes first (arrival order), then prefill chunks in arrival order under the token
+budget; a prompt longer than the remaining budget is split across steps (chunked-prefill
+continuation). KV memory: a prefill that finds no free block waits (and so does every later
+prefill: first come, first served); a running request that needs a block when none is free
+preempts the most recently arrived request holding blocks, possibly itself, by recompute: its
+blocks are freed and its prompt plus the tokens generated so far are prefilled again later.
+When nothing at all could be scheduled, the most recently arrived block holder is preempted the
+same way, so the earliest request always makes progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ubatch.attention import BlockPool, PagedKVCache, build_attention_metadata
+from ubatch.context import set_forward_context
+from ubatch.models import Decoder, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One generation request; ``token_ids`` is the prompt followed by the generated tokens, and
+    the first ``num_computed`` of them have their KV in ``blocks``."""
+
+    request_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prompt fully computed: the one pending token is the last generated one."""
+        return self.num_computed >= self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_tokens - self.num_prompt_tokens >= self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``num_tokens`` tokens of ``request`` starting at position ``start``, scheduled this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """The chunk ends at the request's last token, so the step samples a new one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class BatchInputs:
+    """Device inputs of one step, the per-layer metadata dicts and where to read logits."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: dict[str, Any]
+    slot_mapping: dict[str, torch.Tensor]
+    logits_indices: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
+class StepOutput:
+    """Tokens sampled this step (request id -> token) and the requests that finished
+    (request id -> all generated tokens)."""
+
+    new_tokens: dict[int, int] = field(default_factory=dict)
+    finished: dict[int, list[int]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Serves greedy generation for one model on one rank with a paged KV cache."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        config: ModelConfig,
+        *,
+        device: torch.device | str,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> None:
+        for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
+                                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                                     dtype=config.dtype, device=self.device)
+        self.block_pool = BlockPool(num_kv_blocks)
+        self._active: list[Request] = []
+        self._next_id = 0
+        self.bind_kv_cache()
+
+    def bind_kv_cache(self) -> None:
+        """Point every attention layer at this runner's cache tensor for it."""
+        for name, layer in self.model.attention_layers.items():
+            layer.kv_cache = self.kv_cache[name]
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request and return its id; ValueError (and nothing queued) on bad input."""
+        prompt = self._validate(prompt_token_ids, max_new_tokens)
+        request = Request(self._next_id, prompt, len(prompt), max_new_tokens)
+        self._next_id += 1
+        self._active.append(request)
+        return request.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._active)
+
+    def _validate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+        vocab = self.config.vocab_size
+        for i, token in enumerate(prompt):
+            if not 0 <= token < vocab:
+                raise ValueError(f"prompt token {token} at index {i} is out of range [0, {vocab})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        blocks = math.ceil((len(prompt) + max_new_tokens) / self.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"request too long for the KV cache: prompt of {len(prompt)} tokens + max_new_tokens="
+                f"{max_new_tokens} needs {blocks} blocks of {self.block_size}, the cache has "
+                f"{self.num_kv_blocks}"
+            )
+        return prompt
+
+    # ----- one step -------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Run one scheduled batch; returns the sampled tokens and the finished requests."""
+        with torch.inference_mode():
+            chunks = self.schedule()
+            if not chunks:
+                return StepOutput()
+            batch = self.build_inputs(chunks)
+            hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                        slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
+            tokens = self.sample(hidden, batch.logits_indices)
+            self.check_overflow()
+            return self.update(chunks, tokens)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+        """Greedy-generate for every prompt on an idle runner; outputs in prompt order."""
+        if self._active:
+            raise ValueError(
+                f"generate() needs an idle runner, but {len(self._active)} requests are in flight; "
+                f"drive them with step()"
+            )
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+        for prompt, limit in zip(prompts, limits):
+            self._validate(prompt, limit)
+        ids = [self.add_request(prompt, limit) for prompt, limit in zip(prompts, limits)]
+        finished: dict[int, list[int]] = {}
+        while self._active:
+            finished.update(self.step().finished)
+        return [finished[i] for i in ids]
+
+    # ----- schedule -------------------------------------------------------------------------
+
+    def schedule(self) -> list[Chunk]:
+        """This step's chunks: decodes, then prefill chunks; preempts until something fits."""
+        while self._active:
+            chunks = self._try_schedule()
+            if chunks:
+                return chunks
+            victim = self._latest_block_holder(protected=set())
+            if victim is None:
+                raise RuntimeError(
+                    f"no request can be scheduled although no request holds KV blocks "
+                    f"({self.block_pool.num_free} of {self.num_kv_blocks} free)"
+                )
+            self._preempt(victim)
+        return []
+
+    def _try_schedule(self) -> list[Chunk]:
+        budget, seats = self.max_num_batched_tokens, self.max_num_seqs
+        chunks: list[Chunk] = []
+        scheduled: set[int] = set()
+        for request in [r for r in self._active if r.is_decoding]:
+            if not budget or not seats:
+                break
+            # An earlier decode may have preempted this request; then it prefills again.
+            if not request.is_decoding or not self._make_room_for_decode(request, scheduled):
+                continue
+            chunks.append(self._take(request, 1))
+            scheduled.add(request.request_id)
+            budget, seats = budget - 1, seats - 1
+        for request in self._active:
+            if request.is_decoding or request.request_id in scheduled:
+                continue
+            if not budget or not seats:
+                break
+            room = (len(request.blocks) + self.block_pool.num_free) * self.block_size - request.num_computed
+            n = min(request.num_tokens - request.num_computed, budget, room)
+            if n <= 0:
+                break
+            chunks.append(self._take(request, n))
+            budget, seats = budget - n, seats - 1
+        return chunks
+
+    def _blocks_short(self, request: Request, num_new: int) -> int:
+        return math.ceil((request.num_computed + num_new) / self.block_size) - len(request.blocks)
+
+    def _take(self, request: Request, num_new: int) -> Chunk:
+        """Allocate the blocks ``num_new`` more tokens need (they are known to be free)."""
+        short = self._blocks_short(request, num_new)
+        if short > 0:
+            request.blocks += self.block_pool.allocate(short)
+        return Chunk(request, request.num_computed, num_new)
+
+    def _make_room_for_decode(self, request: Request, protected: set[int]) -> bool:
+        """Preempt later requests until ``request`` can grow by one token; False if it was
+        itself preempted (or nothing could be)."""
+        while self._blocks_short(request, 1) > self.block_pool.num_free:
+            victim = self._latest_block_holder(protected)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _latest_block_holder(self, protected: set[int]) -> Request | None:
+        for request in reversed(self._active):
+            if request.blocks and request.request_id not in protected:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        logger.info("KV cache full: preempting request %d (%d tokens) for recompute",
+                    request.request_id, request.num_tokens)
+        self.block_pool.free(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+
+    # ----- inputs, model call, sampling -----------------------------------------------------
+
+    def build_inputs(self, chunks: list[Chunk]) -> BatchInputs:
+        """Flattened token ids / positions, block table, slot mapping and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        width = max(len(c.request.blocks) for c in chunks)
+        table = [c.request.blocks + [0] * (width - len(c.request.blocks)) for c in chunks]
+        for chunk in chunks:
+            request, stop = chunk.request, chunk.start + chunk.num_tokens
+            input_ids += request.token_ids[chunk.start:stop]
+            positions += range(chunk.start, stop)
+            slots += (request.blocks[p // bs] * bs + p % bs for p in range(chunk.start, stop))
+            if chunk.reaches_end:
+                logits_indices.append(len(input_ids) - 1)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        metadata = build_attention_metadata(
+            [c.num_tokens for c in chunks],
+            [c.start + c.num_tokens for c in chunks],
+            torch.tensor(table, dtype=torch.int32),
+            slot_mapping,
+            device=self.device,
+        )
+        names = self.model.layer_names
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            attn_metadata={name: metadata for name in names},
+            slot_mapping={name: metadata.slot_mapping for name in names},
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            num_tokens=len(input_ids),
+        )
+
+    def execute_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: dict[str, Any],
+        *,
+        slot_mapping: dict[str, torch.Tensor] | None = None,
+        num_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """The model call under its forward context; the one place to wrap or replace it."""
+        with set_forward_context(
+            attn_metadata,
+            slot_mapping=slot_mapping,
+            num_tokens=input_ids.shape[0] if num_tokens is None else num_tokens,
+            no_compile_layers=self.model.attention_layers,
+        ):
+            return self.model(input_ids, positions)
+
+    def sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> list[int]:
+        """Greedy tokens for the rows at ``logits_indices`` (one host sync)."""
+        if logits_indices.numel() == 0:
+            return []
+        return self.model.compute_logits(hidden[logits_indices]).argmax(dim=-1).tolist()
+
+    def check_overflow(self) -> None:
+        """RuntimeError naming every MoE layer that dropped assignments this step (counters
+        are reset first, so the runner stays usable)."""
+        counters = self.model.overflow_counters()
+        if not counters:
+            return
+        counts = torch.stack(list(counters.values())).tolist()
+        for counter in counters.values():
+            counter.zero_()
+        overflowed = [f"{name}: {count}" for name, count in zip(counters, counts) if count]
+        if overflowed:
+            raise RuntimeError(
+                f"MoE capacity overflow (capacity_factor={self.config.capacity_factor}): dropped "
+                f"(token, expert) assignments per layer: {', '.join(overflowed)}; raise "
+                f"capacity_factor or set it to None"
+            )
+
+    # ----- update ---------------------------------------------------------------------------
+
+    def update(self, chunks: list[Chunk], tokens: list[int]) -> StepOutput:
+        """Advance computed counts, append sampled tokens, release finished requests."""
+        out = StepOutput()
+        sampled = iter(tokens)
+        for chunk in chunks:
+            request = chunk.request
+            reaches_end = chunk.reaches_end
+            request.num_computed = chunk.start + chunk.num_tokens
+            if reaches_end:
+                token = next(sampled)
+                request.token_ids.append(token)
+                out.new_tokens[request.request_id] = token
+            if request.is_finished:
+                self.block_pool.free(request.blocks)
+                request.blocks = []
+                self._active.remove(request)
+                out.finished[request.request_id] = request.output
+        return out
+
+
+def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, block_size: int = 16) -> torch.Tensor:
+    """Hidden states [sum(len), hidden] of whole sequences run as fresh prefills with a private
+    KV cache: the no-history reference that runner and sharded-model outputs are checked
+    against. The layers' own cache bindings are restored afterwards."""
+    lengths = [len(s) for s in sequences]
+    num_blocks = [math.ceil(n / block_size) for n in lengths]
+    cache = PagedKVCache(model.layer_names, num_blocks=sum(num_blocks), block_size=block_size,
+                         num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                         dtype=model.config.dtype, device=model.device)
+    width = max(num_blocks)
+    table, slots, positions, first = [], [], [], 0
+    for n, nb in zip(lengths, num_blocks):
+        table.append(list(range(first, first + nb)) + [0] * (width - nb))
+        slots += range(first * block_size, first * block_size + n)
+        positions += range(n)
+        first += nb
+    metadata = build_attention_metadata(lengths, lengths, torch.tensor(table, dtype=torch.int32),
+                                        torch.tensor(slots, dtype=torch.int64), device=model.device)
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=model.device)
+    previous = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
+    try:
+        for name, layer in model.attention_layers.items():
+            layer.kv_cache = cache[name]
+        with torch.inference_mode(), set_forward_context(
+            {name: metadata for name in model.layer_names}, no_compile_layers=model.attention_layers
+        ):
+            return model(input_ids, torch.tensor(positions, dtype=torch.int64, device=model.device))
+    finally:
+        for name, layer in model.attention_layers.items():
+            layer.kv_cache = previous[name]
