@@ -17,6 +17,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # tear down together: gloo aborts a rank whose peer closed mid-teardown
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise

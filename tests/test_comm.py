@@ -74,7 +74,9 @@ def test_bad_arguments_raise_type_and_value_errors():
 
 def _peer_missing(rank, world_size):
     if rank == 1:
-        time.sleep(6)
+        time.sleep(6)  # late: rank 0's two ubatches time out first; then match their collectives
+        for _ in range(2):
+            dist.all_reduce(torch.ones(2))
         return
     sched = UbatchScheduler(2, "cpu", timeout_s=2)
 

@@ -86,6 +86,7 @@ class UbatchState:
                 sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark(sched.comm_stream))
             self.yield_now()
             self.compute_stream.wait_event(self.comm_done_event)
+            self._restart_segment()
             return
         start = sched.trace.mark() if sched.trace else None
         work = launch(True)
@@ -100,6 +101,12 @@ class UbatchState:
             ) from exc
         if sched.trace:
             sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark())
+        self._restart_segment()
+
+    def _restart_segment(self) -> None:
+        """Compute after a collective starts once its result is in: waiting is not computing."""
+        if self.scheduler.trace:
+            self.segment_start = self.scheduler.trace.mark(self.compute_stream)
 
 
 @dataclass
@@ -193,6 +200,7 @@ class UbatchScheduler:
     def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run ``tasks[i]`` as ubatch i and return their results in order.
 
+        Each task sees a copy of the caller's context variables (the forward context included).
         If one raises, the others are aborted (those not yet started never start), and the
         exception is re-raised here with the ubatch id noted; the scheduler stays usable.
         """
@@ -235,7 +243,7 @@ class UbatchScheduler:
                     kind, value = pool.workers[i].switch(None)
                 else:
                     started[i] = True
-                    kind, value = pool.workers[i].switch((state, tasks[i], pool))
+                    kind, value = pool.workers[i].switch((state, tasks[i], pool, contextvars.copy_context()))
                 self._leave(state)
                 previous = state
                 if kind == "yield":
@@ -286,21 +294,24 @@ class UbatchScheduler:
         self._local.pool.driver.switch(("yield", None))
 
 
-def _worker_loop(first: tuple[UbatchState, Callable[[], Any], _Pool]) -> None:
+def _worker_loop(first: tuple[UbatchState, Callable[[], Any], _Pool, contextvars.Context]) -> None:
     """A persistent ubatch: run one task per call, report back, park until the next call."""
-    job: tuple[UbatchState, Callable[[], Any], _Pool] | None = first
+    job = first
     while True:
-        state, task, pool = job
-        token = _current.set(state)
-        try:
-            message = ("done", task())
-        except UbatchAborted:
-            message = ("aborted", None)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's greenlet
-            message = ("error", exc)
-        finally:
-            _current.reset(token)
+        state, task, pool, context = job
+        message = context.run(_run_task, state, task)
         job = pool.driver.switch(message)
+
+
+def _run_task(state: UbatchState, task: Callable[[], Any]) -> tuple[str, Any]:
+    """Runs inside a copy of the caller's context, so the ubatch state set here dies with it."""
+    _current.set(state)
+    try:
+        return ("done", task())
+    except UbatchAborted:
+        return ("aborted", None)
+    except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's greenlet
+        return ("error", exc)
 
 
 def _note_ubatch(exc: BaseException, ubatch_id: int) -> None:
