@@ -1,0 +1,100 @@
+"""Ubatched reference models equal the unsplit model: N = 2, 3, 4; prefill, decode, mixed steps
+with straddling requests and padding; one process and expert / tensor parallel over gloo.
+
+Tolerance: float32 on CPU, atol = rtol = 1e-5 (a straddling request's attention is computed in
+two parts, and GEMMs of other row counts may block their sums differently).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from ubatch import set_forward_context
+from ubatch.bench.workload import make_step
+from ubatch.models import ModelConfig, build_model
+from ubatch.wrapper import UBatchWrapper
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+MODELS = {
+    "dense": dict(),
+    "moe": dict(num_experts=4, top_k=2, moe_intermediate_size=48, num_shared_experts=1),
+}
+
+
+def _shape(kind: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(query_lens, context_lens) of a random step of the given kind."""
+    n = rng.randint(4, 7)
+    if kind == "prefill":
+        return [rng.randint(1, 12) for _ in range(n)], [0] * n
+    if kind == "decode":
+        return [1] * n, [rng.randint(1, 20) for _ in range(n)]
+    queries = [rng.choice([1, rng.randint(2, 9)]) for _ in range(n)]
+    return queries, [rng.choice([0, rng.randint(1, 15)]) for _ in range(n)]
+
+
+def _forward(runnable, model, step, slices=None):
+    with torch.inference_mode(), set_forward_context(
+        step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
+        num_tokens=step.num_tokens,
+    ):
+        return runnable(step.input_ids, step.positions)
+
+
+def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int, pad: int = 0) -> None:
+    rng = random.Random(seed)
+    query_lens, context_lens = _shape(kind, rng)
+    step, cache = make_step(model, query_lens, context_lens, block_size=rng.choice([4, 16]),
+                            num_tokens_padded=sum(query_lens) + pad, seed=seed)
+    before = {name: cache[name].clone() for name in model.layer_names}
+    expected = _forward(model, model, step)
+    expected_cache = {name: cache[name].clone() for name in model.layer_names}
+    for name in model.layer_names:
+        cache[name].copy_(before[name])
+    wrapper = UBatchWrapper(model, num_ubatches=4, device=model.device)
+    got = _forward(wrapper, model, step, step.slices(num_ubatches))
+    real = sum(query_lens)
+    torch.testing.assert_close(got[:real], expected[:real], **TOL)
+    for name in model.layer_names:
+        torch.testing.assert_close(cache[name], expected_cache[name], **TOL)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
+@pytest.mark.parametrize("model_kind", list(MODELS))
+def test_ubatched_equals_unsplit_one_process(model_kind, num_ubatches, kind):
+    model = build_model(ModelConfig(**MODELS[model_kind]), device="cpu")
+    for seed in range(3):
+        check_ubatched_equals_unsplit(model, kind, seed, num_ubatches, pad=seed % 2)
+
+
+def _parallel_body(rank, world_size, model_kind):
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    config = ModelConfig(**MODELS[model_kind])
+    if model_kind == "moe":
+        model = build_model(config, device="cpu", ep_group=group)
+    else:
+        model = build_model(config, device="cpu", tp_group=group)
+    for num_ubatches in (2, 3, 4):
+        for i, kind in enumerate(["prefill", "decode", "mixed"]):
+            # Expert parallelism: every rank has its own tokens (same count); TP: the same tokens.
+            seed = 10 * i + (rank if model_kind == "moe" else 0)
+            rng_shape_seed = 10 * i
+            rng = random.Random(rng_shape_seed)
+            query_lens, context_lens = _shape(kind, rng)
+            step, cache = make_step(model, query_lens, context_lens, seed=seed)
+            before = {name: cache[name].clone() for name in model.layer_names}
+            expected = _forward(model, model, step)
+            for name in model.layer_names:
+                cache[name].copy_(before[name])
+            wrapper = UBatchWrapper(model, num_ubatches=4, device="cpu")
+            got = _forward(wrapper, model, step, step.slices(num_ubatches))
+            torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("model_kind", list(MODELS))
+def test_ubatched_equals_unsplit_two_ranks_gloo(model_kind):
+    run_distributed(_parallel_body, 2, model_kind)

@@ -1,0 +1,161 @@
+"""ubatch-bench: unsplit vs ubatched step time of a reference model, with the ideal beside it.
+
+Runs single-process or under torchrun (``torchrun --nproc-per-node 2 -m ubatch.bench``): the MoE
+model is then expert-parallel over all ranks (each rank its own tokens), the dense model
+tensor-parallel (the same tokens). NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ubatch.bench.measure import measure
+from ubatch.bench.plot import plot_timeline
+from ubatch.bench.workload import make_step
+from ubatch.models import ModelConfig, build_model
+
+logger = logging.getLogger("ubatch.bench")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ubatch-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["moe", "dense"], default="moe")
+    p.add_argument("--preset", help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)")
+    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
+    p.add_argument("--tokens", type=_int_list, default=[512], help="tokens per rank per step, e.g. 256,1024")
+    p.add_argument("--prompt-len", type=int, default=128, help="prefill: tokens per request")
+    p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
+    p.add_argument("--num-ubatches", type=_int_list, default=[2], help="ubatch counts to try, e.g. 2,3,4")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
+    p.add_argument("--out", help="write the JSON report here")
+    p.add_argument("--plot", help="write a timeline PNG of the first configuration's ubatched step here")
+    p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.num_ubatches, args.warmup, args.repeats = [256], [2], 1, 3
+    return args
+
+
+def _device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for, but torch sees no CUDA GPU")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _init_distributed(device: torch.device) -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _environment(device: torch.device, world: int) -> dict[str, Any]:
+    env = {
+        "machine": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "world_size": world,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def _shape(args: argparse.Namespace, tokens: int) -> tuple[list[int], list[int]]:
+    if args.workload == "decode":
+        return [1] * tokens, [args.context_len] * tokens
+    full, rest = divmod(tokens, args.prompt_len)
+    query = [args.prompt_len] * full + ([rest] if rest else [])
+    return query, [0] * len(query)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(args.device, local_rank)
+    rank, world = _init_distributed(device)
+    preset = args.preset or {("moe", False): "tiny-moe", ("dense", False): "tiny",
+                             ("moe", True): "moe-bench", ("dense", True): "dense-bench"}[(args.model, device.type == "cuda")]
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    config = ModelConfig.preset(preset, **overrides)
+    if (config.kind == "moe") != (args.model == "moe"):
+        raise ValueError(f"preset {preset!r} is a {config.kind} model but --model {args.model} was given")
+    group = dist.group.WORLD if world > 1 else None
+    model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
+                        tp_group=group if config.kind == "dense" else None)
+    results, first_timeline = [], None
+    configs = [(t, n) for t in args.tokens for n in args.num_ubatches]
+    for tokens, n in tqdm(configs, desc="configurations", disable=rank != 0):
+        query, context = _shape(args, tokens)
+        seed = rank if config.kind == "moe" else 0
+        step, _ = make_step(model, query, context, seed=seed)
+        m = measure(model, step, n, warmup=args.warmup, repeats=args.repeats)
+        first_timeline = first_timeline or m.timeline
+        results.append({
+            "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
+            "world_size": world, "label": args.label, **m.as_dict(),
+        })
+    report = {"environment": _environment(device, world), "args": vars(args), "results": results}
+    if rank == 0 and args.plot and first_timeline:
+        r = results[0]
+        plot_timeline(first_timeline, args.plot,
+                      f"{preset} {args.workload}, {r['tokens_per_rank']} tokens/rank, N={r['num_ubatches']}, "
+                      f"world {world} {args.label}: speedup {r['speedup']:.2f}x of ideal {r['ideal_speedup']:.2f}x")
+    return report
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    cols = ["tokens_per_rank", "num_ubatches", "baseline_ms", "ubatched_ms", "speedup", "compute_ms",
+            "comm_ms", "ideal_speedup", "efficiency", "hidden_comm_fraction"]
+    heads = ["tokens", "N", "unsplit ms", "ubatched ms", "speedup", "C ms", "M ms", "ideal", "effic.", "hidden"]
+    rows = [[("-" if r[c] is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])) for c in cols]
+            for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    args = parse_args(argv)
+    report = run(args)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(format_table(report["results"]))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+            logger.info("report written to %s", args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,3 @@
+from ubatch.bench import main
+
+main()
