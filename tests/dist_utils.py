@@ -1,4 +1,5 @@
-"""Run a test body in N gloo processes (CPU), re-raising the first failure in the parent."""
+"""Run a test body in N processes (gloo on CPU, or NCCL with one GPU per rank), re-raising the
+first failure in the parent."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+def _entry(
+    rank: int, world_size: int, backend: str, init_file: str, fn: Callable[..., Any], args: tuple, errors: Any
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, device_id=device_id
+    )
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # tear down together: gloo aborts a rank whose peer closed mid-teardown
@@ -25,14 +35,16 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120) -> None:
-    """``fn(rank, world_size, *args)`` in ``world_size`` processes sharing a gloo process group."""
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120, backend: str = "gloo"
+) -> None:
+    """``fn(rank, world_size, *args)`` in ``world_size`` processes sharing a process group."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_entry, args=(rank, world_size, init_file, fn, args, errors), daemon=True)
+            ctx.Process(target=_entry, args=(rank, world_size, backend, init_file, fn, args, errors), daemon=True)
             for rank in range(world_size)
         ]
         for p in procs:

@@ -32,8 +32,9 @@ def _covered_tokens_per_request(counts, slices):
 def test_split_is_balanced_contiguous_and_complete(counts, n, pad):
     total_real = sum(counts)
     padded = total_real + pad
-    expected_sizes = [(k + 1) * padded // n - k * padded // n for k in range(n)]
-    if any(k * padded // n >= total_real for k in range(n)):
+    points = [k * padded // n for k in range(n + 1)]
+    expected_sizes = [hi - lo for lo, hi in itertools.pairwise(points)]
+    if any(lo >= min(hi, total_real) for lo, hi in itertools.pairwise(points)):
         with pytest.raises(ValueError, match="no real token"):
             split_batch(counts, n, padded)
         return

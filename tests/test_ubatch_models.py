@@ -43,7 +43,7 @@ def _forward(runnable, model, step, slices=None):
         return runnable(step.input_ids, step.positions)
 
 
-def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int, pad: int = 0) -> None:
+def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int, pad: int = 0, tol=TOL) -> None:
     rng = random.Random(seed)
     query_lens, context_lens = _shape(kind, rng)
     step, cache = make_step(model, query_lens, context_lens, block_size=rng.choice([4, 16]),
@@ -56,9 +56,9 @@ def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int
     wrapper = UBatchWrapper(model, num_ubatches=4, device=model.device)
     got = _forward(wrapper, model, step, step.slices(num_ubatches))
     real = sum(query_lens)
-    torch.testing.assert_close(got[:real], expected[:real], **TOL)
+    torch.testing.assert_close(got[:real], expected[:real], **tol)
     for name in model.layer_names:
-        torch.testing.assert_close(cache[name], expected_cache[name], **TOL)
+        torch.testing.assert_close(cache[name], expected_cache[name], **tol)
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
@@ -70,14 +70,16 @@ def test_ubatched_equals_unsplit_one_process(model_kind, num_ubatches, kind):
         check_ubatched_equals_unsplit(model, kind, seed, num_ubatches, pad=seed % 2)
 
 
-def _parallel_body(rank, world_size, model_kind):
+def parallel_body(rank, world_size, model_kind, device="cpu", tol=TOL):
+    """Run on every rank: the EP (MoE) or TP (dense) model, ubatched vs unsplit."""
     torch.manual_seed(0)
     group = dist.group.WORLD
     config = ModelConfig(**MODELS[model_kind])
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     if model_kind == "moe":
-        model = build_model(config, device="cpu", ep_group=group)
+        model = build_model(config, device=device, ep_group=group)
     else:
-        model = build_model(config, device="cpu", tp_group=group)
+        model = build_model(config, device=device, tp_group=group)
     for num_ubatches in (2, 3, 4):
         for i, kind in enumerate(["prefill", "decode", "mixed"]):
             # Expert parallelism: every rank has its own tokens (same count); TP: the same tokens.
@@ -90,11 +92,11 @@ def _parallel_body(rank, world_size, model_kind):
             expected = _forward(model, model, step)
             for name in model.layer_names:
                 cache[name].copy_(before[name])
-            wrapper = UBatchWrapper(model, num_ubatches=4, device="cpu")
+            wrapper = UBatchWrapper(model, num_ubatches=4, device=device)
             got = _forward(wrapper, model, step, step.slices(num_ubatches))
-            torch.testing.assert_close(got, expected, **TOL)
+            torch.testing.assert_close(got, expected, **tol)
 
 
 @pytest.mark.parametrize("model_kind", list(MODELS))
 def test_ubatched_equals_unsplit_two_ranks_gloo(model_kind):
-    run_distributed(_parallel_body, 2, model_kind)
+    run_distributed(parallel_body, 2, model_kind)

@@ -1,0 +1,55 @@
+"""The executor on CUDA: per-ubatch compute streams, a comm stream, NCCL across two GPUs.
+
+Run on the GPU machine: ``python -m pytest -m "cuda or multigpu"``. Tolerance on CUDA float32:
+atol = rtol = 1e-4 (cuBLAS picks other kernels for other row counts).
+"""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_ubatch_models import MODELS, check_ubatched_equals_unsplit, parallel_body
+from ubatch.models import ModelConfig, build_model
+from ubatch.scheduler import UbatchScheduler, current_ubatch, yield_ubatch
+
+GPU_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
+@pytest.mark.parametrize("model_kind", list(MODELS))
+def test_ubatched_equals_unsplit_on_cuda(model_kind, num_ubatches, kind):
+    model = build_model(ModelConfig(**MODELS[model_kind]), device="cuda")
+    for seed in range(3):
+        check_ubatched_equals_unsplit(model, kind, seed, num_ubatches, pad=seed % 2, tol=GPU_TOL)
+
+
+@pytest.mark.cuda
+def test_each_ubatch_runs_on_its_own_stream_and_the_callers_is_restored():
+    sched = UbatchScheduler(3, "cuda")
+    sched.prepare()
+    seen = []
+
+    def task():
+        state = current_ubatch()
+        seen.append(torch.cuda.current_stream() == state.compute_stream)
+        x = torch.randn(256, 256, device="cuda")
+        yield_ubatch()
+        seen.append(torch.cuda.current_stream() == state.compute_stream)
+        return (x @ x).sum()
+
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        results = sched.run([task] * 3)
+        assert torch.cuda.current_stream() == caller
+    assert all(seen) and len(seen) == 6
+    assert len({s.cuda_stream for s in sched.compute_streams + [sched.comm_stream]}) == 4
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(r) for r in results)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("model_kind", list(MODELS))
+def test_ubatched_equals_unsplit_two_gpus_nccl(model_kind):
+    run_distributed(parallel_body, 2, model_kind, "cuda", GPU_TOL, backend="nccl", timeout_s=300)
