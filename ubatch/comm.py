@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ubatch import scheduler
+from ubatch.islands import run_island
 
 ReduceOp = dist.ReduceOp
 
@@ -44,7 +45,18 @@ def _run(
     async_op: bool,
     timeout: float | None,
 ) -> Any:
-    """Run one collective: plainly, locally (one rank), or overlapped inside a ubatch."""
+    """Run one collective (an eager island): plainly, locally (one rank), or overlapped."""
+    return run_island(_collective, op_name, launch, local, group, async_op, timeout)
+
+
+def _collective(
+    op_name: str,
+    launch: Callable[[bool], Any],
+    local: Callable[[], None],
+    group: Any,
+    async_op: bool,
+    timeout: float | None,
+) -> Any:
     ubatch = scheduler.current_ubatch()
     if _world_size(group) == 1:
         local()

@@ -75,6 +75,24 @@ class ForwardContext:
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
     "ubatch_forward_context", default=None
 )
+_forced_skip_attention: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "ubatch_forced_skip_attention", default=None
+)
+
+
+@contextlib.contextmanager
+def capture_scope(*, skip_attention: bool) -> Iterator[None]:
+    """Fix ``skip_attention`` for every forward context installed in the ``with`` body.
+
+    A CUDA-graph manager wraps a descriptor's warm-up and capture passes in this, with the value
+    its target mode demands, so no code path below (a runner's dummy run, a drafter's propose
+    loop, a ubatch's child context) can get it wrong by keying it on a runtime argument.
+    """
+    token = _forced_skip_attention.set(bool(skip_attention))
+    try:
+        yield
+    finally:
+        _forced_skip_attention.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
@@ -97,6 +115,9 @@ def override_forward_context(ctx: ForwardContext | None) -> Iterator[ForwardCont
     """Install ``ctx`` (or None) as the current context for the ``with`` body, then restore."""
     if ctx is not None and not isinstance(ctx, ForwardContext):
         raise TypeError(f"override_forward_context expects a ForwardContext or None, got {type(ctx).__name__}")
+    forced = _forced_skip_attention.get()
+    if ctx is not None and forced is not None and ctx.skip_attention != forced:
+        ctx = dataclasses.replace(ctx, skip_attention=forced)
     token = _current.set(ctx)
     try:
         yield ctx
@@ -146,8 +167,8 @@ def set_forward_context(
         additional_kwargs=dict(additional_kwargs or {}),
         num_tokens=num_tokens,
     )
-    with override_forward_context(ctx):
-        yield ctx
+    with override_forward_context(ctx) as installed:
+        yield installed
 
 
 def derive_context(parent: ForwardContext, **changes: Any) -> ForwardContext:

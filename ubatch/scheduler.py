@@ -78,6 +78,7 @@ class UbatchState:
         if self.compute_stream is not None:
             self.comm_ready_event.record(self.compute_stream)
             sched.comm_stream.wait_event(self.comm_ready_event)
+            sched.comm_stream_used = True
             start = sched.trace.mark(sched.comm_stream) if sched.trace else None
             with torch.cuda.stream(sched.comm_stream):
                 launch(False)
@@ -139,6 +140,7 @@ class UbatchScheduler:
         self.is_cuda = self.device.type == "cuda"
         self._local = threading.local()
         self.trace: StepTrace | None = None
+        self.comm_stream_used = False
         self.compute_streams: list[Any] = []
         self.comm_stream: Any = None
         if self.is_cuda:
@@ -227,6 +229,7 @@ class UbatchScheduler:
         n = len(tasks)
         states = self._states[:n]
         if caller_stream is not None:
+            self.comm_stream_used = False
             for state in states:
                 state.compute_stream.wait_stream(caller_stream)
         for state in states:
@@ -288,7 +291,8 @@ class UbatchScheduler:
         torch.cuda.set_stream(caller_stream)
         for state in states:
             caller_stream.wait_stream(state.compute_stream)
-        caller_stream.wait_stream(self.comm_stream)
+        if self.comm_stream_used:  # joining an unused stream would break a graph capture
+            caller_stream.wait_stream(self.comm_stream)
 
     def _yield_from(self, state: UbatchState) -> None:
         self._local.pool.driver.switch(("yield", None))

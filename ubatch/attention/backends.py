@@ -31,11 +31,46 @@ class AttentionBackend(Protocol):
 class TorchBackend:
     """Reference backend, any device: per request, gather its K/V from the block table, repeat
     KV heads for GQA, and run SDPA with a bottom-right-aligned causal mask. Loops in Python
-    over requests (lengths come from the CPU copies, so there is no device sync)."""
+    over requests (lengths come from the CPU copies, so there is no device sync).
+
+    A uniform batch (every request has the same query length: decode, speculative
+    verification) takes one batched SDPA over the whole block table instead, masked by the
+    device-side ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured
+    on it stays right when the lengths and block ids change between replays."""
 
     name = "torch"
 
     def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if metadata.max_query_len * metadata.num_reqs == metadata.num_actual_tokens:
+            return self._uniform(q, kv_cache, metadata, scale)
+        return self._per_request(q, kv_cache, metadata, scale)
+
+    def _uniform(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        k, v = (kv_cache[i][metadata.block_table].flatten(1, 2) for i in (0, 1))  # [R, L, KVH, D]
+        key_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
+        if metadata.causal:
+            offsets = torch.arange(query_len, device=q.device) - query_len
+            mask = key_pos <= (metadata.seq_lens.view(-1, 1) + offsets).unsqueeze(-1)  # [R, u, L]
+        else:
+            mask = (key_pos < metadata.seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
+        group = num_heads // num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
+        qr = q[: num_reqs * query_len].view(num_reqs, query_len, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+        )
+        return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
+
+    def _per_request(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]

@@ -12,6 +12,7 @@ from ubatch.attention.backends import BACKEND_NAMES, AttentionBackend, get_backe
 from ubatch.attention.kv_cache import write_kv
 from ubatch.attention.metadata import AttentionMetadata
 from ubatch.context import get_forward_context
+from ubatch.islands import run_island
 
 
 def _lookup(per_layer: Any, layer_name: str, field: str, *, required: bool) -> Any:
@@ -143,8 +144,15 @@ class Attention(nn.Module):
                 )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q [T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``; padding rows are zero."""
+        """``q [T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``; padding rows are zero.
+
+        An eager island: a piecewise CUDA graph replays around it and runs it with the step's
+        real metadata.
+        """
         self._check_inputs(q, k, v)
+        return run_island(self._attend, q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         metadata, _, kv_cache, slot_mapping = get_attention_context(self.layer_name)
         num_tokens = q.shape[0]
         out = q.new_zeros(num_tokens, self.num_heads, self.head_dim)

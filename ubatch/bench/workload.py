@@ -40,11 +40,13 @@ def make_step(
     block_size: int = 16,
     num_tokens_padded: int | None = None,
     seed: int = 0,
+    cache: PagedKVCache | None = None,
 ) -> tuple[Step, PagedKVCache]:
     """A step whose request r has ``context_lens[r]`` cached tokens and ``query_lens[r]`` new ones.
 
-    Allocates a fresh KV cache filled with random values, binds it to the model's attention
-    layers and returns it with the step.
+    Without ``cache``, allocates a fresh KV cache filled with random values and binds it to the
+    model's attention layers; with one (already bound, e.g. under captured graphs), lays the
+    step's blocks out in it from block 0.
     """
     context_lens = [0] * len(query_lens) if context_lens is None else list(context_lens)
     if len(context_lens) != len(query_lens):
@@ -53,14 +55,18 @@ def make_step(
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks = [math.ceil(s / block_size) for s in seq_lens]
-    cache = PagedKVCache(
-        model.layer_names, num_blocks=sum(blocks), block_size=block_size,
-        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=cfg.dtype, device=device,
-    )
-    for name in model.layer_names:
-        cache[name].copy_(torch.randn(cache[name].shape, generator=gen).to(cfg.dtype))
-    for name, layer in model.attention_layers.items():
-        layer.kv_cache = cache[name]
+    if cache is None:
+        cache = PagedKVCache(
+            model.layer_names, num_blocks=sum(blocks), block_size=block_size,
+            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=cfg.dtype, device=device,
+        )
+        for name in model.layer_names:
+            cache[name].copy_(torch.randn(cache[name].shape, generator=gen).to(cfg.dtype))
+        for name, layer in model.attention_layers.items():
+            layer.kv_cache = cache[name]
+    elif cache.block_size != block_size or cache.num_blocks < sum(blocks):
+        raise ValueError(f"the cache holds {cache.num_blocks} blocks of {cache.block_size}; this step needs "
+                         f"{sum(blocks)} of {block_size}")
     table, slots, positions, first = [], [], [], 0
     for c, s, nb in zip(context_lens, seq_lens, blocks):
         table.append(list(range(first, first + nb)) + [0] * (max(blocks) - nb))

@@ -1,0 +1,42 @@
+"""Eager islands: the ops a piecewise CUDA graph leaves out and runs eagerly at replay.
+
+Attention (its metadata changes every step) and collectives (they yield to other ubatches) are
+islands. Outside a piecewise capture an island is a plain call. During one, the recorder in
+``ubatch.cudagraph`` closes the graph segment before the island, runs it eagerly, remembers it
+with its (static) arguments and opens the next segment. This module sits on the bottom floor so
+that attention and comm can mark their islands without importing the graph machinery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+
+class IslandRecorder(Protocol):
+    def island(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any: ...
+
+
+_recorder: contextvars.ContextVar[IslandRecorder | None] = contextvars.ContextVar(
+    "ubatch_island_recorder", default=None
+)
+
+
+def run_island(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or handed to the active piecewise recorder."""
+    recorder = _recorder.get()
+    if recorder is None:
+        return fn(*args)
+    return recorder.island(fn, args)
+
+
+@contextlib.contextmanager
+def recording(recorder: IslandRecorder | None) -> Iterator[None]:
+    """Route islands to ``recorder`` (None: run them plainly) for the ``with`` body."""
+    token = _recorder.set(recorder)
+    try:
+        yield
+    finally:
+        _recorder.reset(token)
