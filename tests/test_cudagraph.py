@@ -54,6 +54,9 @@ class FakeBackend:
     def synchronize(self):
         pass
 
+    def recover(self):
+        self.log.append("recover")
+
     def memory_in_use(self):
         return 0
 

@@ -9,8 +9,12 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.test_ubatch_models import MODELS, check_ubatched_equals_unsplit, parallel_body
+from ubatch import set_forward_context
+from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.scheduler import UbatchScheduler, current_ubatch, yield_ubatch
+from ubatch.sm import SMPartition
+from ubatch.wrapper import UBatchWrapper
 
 GPU_TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -47,6 +51,21 @@ def test_each_ubatch_runs_on_its_own_stream_and_the_callers_is_restored():
     assert len({s.cuda_stream for s in sched.compute_streams + [sched.comm_stream]}) == 4
     torch.cuda.synchronize()
     assert all(torch.isfinite(r) for r in results)
+
+
+@pytest.mark.cuda
+def test_ubatched_equals_unsplit_with_a_green_sm_partition():
+    model = build_model(ModelConfig(**MODELS["moe"]), device="cuda")
+    partition = SMPartition("green", 16, "cuda")
+    step, _ = make_step(model, [5, 9, 3, 7], [0, 4, 2, 0])
+    wrapper = UBatchWrapper(model, num_ubatches=2, device="cuda", sm_partition=partition)
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers):
+        expected = model(step.input_ids, step.positions)
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers,
+                                                     ubatch_slices=step.slices(2)):
+        got = wrapper(step.input_ids, step.positions)
+    torch.testing.assert_close(got, expected, **GPU_TOL)
+    assert partition.effective_mode == "green", partition.reason
 
 
 @pytest.mark.multigpu

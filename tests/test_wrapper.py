@@ -10,6 +10,7 @@ from ubatch import ForwardContext, get_forward_context, override_forward_context
 from ubatch.attention import build_attention_metadata
 from ubatch.scheduler import current_ubatch_id, yield_ubatch
 from ubatch.slicing import split_batch
+from ubatch.sm import SMPartition
 from ubatch.wrapper import UBatchWrapper, make_ubatch_contexts
 
 
@@ -207,3 +208,13 @@ def test_hugging_face_model_split_along_batch():
                 out = wrapper(input_ids=input_ids, use_cache=False)
             torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
     assert wrapper.config is model.config
+
+
+def test_an_sm_partition_degrades_to_none_on_cpu_and_the_wrapper_still_runs(caplog):
+    partition = SMPartition("green", 16, "cpu")
+    assert partition.effective_mode == "none" and partition.reason
+    wrapper = UBatchWrapper(lambda x: x * 2, device="cpu", sm_partition=partition)
+    with set_forward_context(None, ubatch_slices=split_batch([2, 2], 2)):
+        assert torch.equal(wrapper(torch.ones(4)), torch.full((4,), 2.0))
+    with pytest.raises(ValueError, match="either a scheduler or an sm_partition"):
+        UBatchWrapper(lambda x: x, device="cpu", sm_partition=partition, scheduler=wrapper.scheduler)

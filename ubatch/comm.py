@@ -39,7 +39,7 @@ def _check_tensor(name: str, value: Any) -> None:
 
 def _run(
     op_name: str,
-    launch: Callable[[bool], Any],
+    launch: Callable[[bool, Any], Any],
     local: Callable[[], None],
     group: Any,
     async_op: bool,
@@ -51,21 +51,23 @@ def _run(
 
 def _collective(
     op_name: str,
-    launch: Callable[[bool], Any],
+    launch: Callable[[bool, Any], Any],
     local: Callable[[], None],
     group: Any,
     async_op: bool,
     timeout: float | None,
 ) -> Any:
     ubatch = scheduler.current_ubatch()
+    if ubatch is not None:
+        group = ubatch.scheduler.resolve_group(group)
     if _world_size(group) == 1:
         local()
         if ubatch is not None:
             scheduler.yield_ubatch()
         return None
     if ubatch is None or async_op:
-        return launch(async_op)
-    ubatch.run_collective(op_name, launch, timeout)
+        return launch(async_op, group)
+    ubatch.run_collective(op_name, lambda is_async: launch(is_async, group), timeout)
     return None
 
 
@@ -83,7 +85,7 @@ def all_to_all_single(
     _check_tensor("output", output)
     _check_tensor("input", input)
 
-    def launch(is_async: bool) -> Any:
+    def launch(is_async: bool, group: Any) -> Any:
         return dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=is_async
         )
@@ -110,7 +112,7 @@ def all_reduce(
     """``dist.all_reduce`` (in place), overlapped inside a ubatch."""
     _check_tensor("tensor", tensor)
 
-    def launch(is_async: bool) -> Any:
+    def launch(is_async: bool, group: Any) -> Any:
         return dist.all_reduce(tensor, op=op, group=group, async_op=is_async)
 
     return _run("all_reduce", launch, lambda: None, group, async_op, timeout)
@@ -128,7 +130,7 @@ def all_gather_into_tensor(
     _check_tensor("output_tensor", output_tensor)
     _check_tensor("input_tensor", input_tensor)
 
-    def launch(is_async: bool) -> Any:
+    def launch(is_async: bool, group: Any) -> Any:
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=is_async)
 
     def local() -> None:
@@ -155,7 +157,7 @@ def reduce_scatter_tensor(
     _check_tensor("output", output)
     _check_tensor("input", input)
 
-    def launch(is_async: bool) -> Any:
+    def launch(is_async: bool, group: Any) -> Any:
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=is_async)
 
     def local() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,7 +141,22 @@ class CudaGraphBackend:
         return graph
 
     def end_segment(self, graph: Any) -> None:
-        graph.capture_end()
+        with warnings.catch_warnings():  # a segment between two adjacent islands is empty
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            graph.capture_end()
+
+    def recover(self) -> None:
+        """After a failed capture: drain the device and close the RNG's capture state.
+
+        The aborted capture never ran the generator's capture epilogue, so the next random op
+        would fail ("Offset increment outside graph capture"); one small successful capture
+        runs prologue and epilogue and puts the generator back in eager mode.
+        """
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            torch.rand(1, device=self.device)
+        torch.cuda.synchronize(self.device)
 
     def capture_stream(self) -> Any:
         return torch.cuda.stream(self.stream)
@@ -287,7 +303,7 @@ class CudaGraphManager:
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
             self.graphs.pop(desc, None)
             logger.warning("capturing %s failed, its batches will run eagerly: %r", desc, exc)
-            self.backend.synchronize()
+            self.backend.recover()
             self.backend.set_rng_state(rng)
 
     def dispatch(self, num_tokens: int, *, num_reqs: int | None = None,

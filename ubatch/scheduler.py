@@ -129,6 +129,7 @@ class UbatchScheduler:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         compute_streams: Sequence[Any] | None = None,
         comm_stream: Any = None,
+        comm_group: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(num_ubatches, int) or num_ubatches < 1:
             raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
@@ -140,6 +141,7 @@ class UbatchScheduler:
         self.is_cuda = self.device.type == "cuda"
         self._local = threading.local()
         self.trace: StepTrace | None = None
+        self._comm_group = comm_group
         self.comm_stream_used = False
         self.compute_streams: list[Any] = []
         self.comm_stream: Any = None
@@ -168,6 +170,11 @@ class UbatchScheduler:
             state.comm_ready_event = torch.cuda.Event()
             state.comm_done_event = torch.cuda.Event()
         return state
+
+    def resolve_group(self, group: Any) -> Any:
+        """The process group a ubatch's collective on ``group`` uses (an SM partition may give
+        overlapped collectives a dedicated, CTA-capped communicator)."""
+        return group if self._comm_group is None else self._comm_group(group)
 
     def prepare(self) -> None:
         """Create this thread's workers and every stream's cuBLAS handle before any graph capture.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ from ubatch.attention import AttentionMetadata
 from ubatch.context import DPMetadata, ForwardContext, get_forward_context, is_forward_context_available
 from ubatch.context import override_forward_context
 from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler
+from ubatch.sm import SMPartition
 from ubatch.slicing import UBatchSlice, check_slices, is_tensor_batched, slices_total, split_attn_metadata
 
 
@@ -142,6 +144,7 @@ class UBatchWrapper:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         scheduler: UbatchScheduler | None = None,
+        sm_partition: SMPartition | None = None,
     ) -> None:
         if not callable(runnable):
             raise TypeError(f"UBatchWrapper needs a callable runnable, got {type(runnable).__name__}")
@@ -151,9 +154,21 @@ class UBatchWrapper:
             raise ValueError(
                 f"the scheduler runs {scheduler.num_ubatches} ubatches but num_ubatches={num_ubatches}"
             )
+        if scheduler is not None and sm_partition is not None:
+            raise ValueError("pass either a scheduler or an sm_partition (which builds the scheduler's streams)")
         self._runnable = runnable
         self.num_ubatches = num_ubatches
-        self.scheduler = scheduler or UbatchScheduler(num_ubatches, device, timeout_s=timeout_s)
+        self.sm_partition = sm_partition
+        self.scheduler = scheduler or self._make_scheduler(num_ubatches, device, timeout_s, sm_partition)
+
+    @staticmethod
+    def _make_scheduler(num_ubatches: int, device: Any, timeout_s: float,
+                        sm_partition: SMPartition | None) -> UbatchScheduler:
+        if sm_partition is None:
+            return UbatchScheduler(num_ubatches, device, timeout_s=timeout_s)
+        compute_streams, comm_stream = sm_partition.make_streams(num_ubatches)
+        return UbatchScheduler(num_ubatches, device, timeout_s=timeout_s, compute_streams=compute_streams,
+                               comm_stream=comm_stream, comm_group=sm_partition.comm_group)
 
     def unwrap(self) -> Callable[..., Any]:
         return self._runnable
@@ -173,7 +188,9 @@ class UBatchWrapper:
         for child, s in zip(children, slices):
             ub_args, ub_kwargs = slice_arguments(args, kwargs, s, total)
             tasks.append(functools.partial(self._run_ubatch, child, ub_args, ub_kwargs))
-        return merge_outputs(self.scheduler.run(tasks))
+        with self.sm_partition.compute_context() if self.sm_partition else contextlib.nullcontext():
+            outputs = self.scheduler.run(tasks)
+        return merge_outputs(outputs)
 
     def _slices(self) -> list[UBatchSlice] | None:
         if not is_forward_context_available():

@@ -23,6 +23,7 @@ from ubatch.bench.measure import measure
 from ubatch.bench.plot import plot_timeline
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
+from ubatch.sm import MODES, SMPartition
 
 logger = logging.getLogger("ubatch.bench")
 
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
     p.add_argument("--num-ubatches", type=_int_list, default=[2], help="ubatch counts to try, e.g. 2,3,4")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--sm-partition", choices=MODES, default="none",
+                   help="how ubatch compute and communication share the SMs (see ubatch.sm)")
+    p.add_argument("--comm-sms", type=int, help="SMs for communication (default: ubatch.sm's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
@@ -114,17 +118,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     group = dist.group.WORLD if world > 1 else None
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
                         tp_group=group if config.kind == "dense" else None)
+    partition = SMPartition(args.sm_partition, args.comm_sms, device)
+    if world > 1:
+        partition.setup([group])
     results, first_timeline = [], None
     configs = [(t, n) for t in args.tokens for n in args.num_ubatches]
     for tokens, n in tqdm(configs, desc="configurations", disable=rank != 0):
         query, context = _shape(args, tokens)
         seed = rank if config.kind == "moe" else 0
         step, _ = make_step(model, query, context, seed=seed)
-        m = measure(model, step, n, warmup=args.warmup, repeats=args.repeats)
+        m = measure(model, step, n, warmup=args.warmup, repeats=args.repeats, sm_partition=partition)
         first_timeline = first_timeline or m.timeline
         results.append({
             "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
-            "world_size": world, "label": args.label, **m.as_dict(),
+            "world_size": world, "label": args.label, "sm_partition": partition.effective_mode,
+            "comm_sms": partition.comm_sms_for(), **m.as_dict(),
         })
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
     if rank == 0 and args.plot and first_timeline:

@@ -83,10 +83,11 @@ class Measurement:
         }
 
 
-def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int) -> Measurement:
+def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int,
+            sm_partition: Any = None) -> Measurement:
     """Baseline, ubatched and serial-traced timings of one step shape."""
     device = model.device
-    wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=device)
+    wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=device, sm_partition=sm_partition)
     wrapper.scheduler.prepare()
     slices = step.slices(num_ubatches)
 
