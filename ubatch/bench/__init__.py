@@ -23,6 +23,7 @@ from ubatch.bench.measure import measure
 from ubatch.bench.plot import plot_timeline
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
+from ubatch.policy import SplitPolicy, calibrate
 from ubatch.sm import MODES, SMPartition
 
 logger = logging.getLogger("ubatch.bench")
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-partition", choices=MODES, default="none",
                    help="how ubatch compute and communication share the SMs (see ubatch.sm)")
     p.add_argument("--comm-sms", type=int, help="SMs for communication (default: ubatch.sm's)")
+    p.add_argument("--policy", choices=["fixed", "auto"], default="fixed",
+                   help="auto: also report what the calibrated split policy picks at every point")
+    p.add_argument("--calibrate-tokens", type=_int_list,
+                   help="token counts the auto policy calibrates on (default 256,2048; quick: 64,256)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
@@ -61,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.num_ubatches, args.warmup, args.repeats = [256], [2], 1, 3
+    args.calibrate_tokens = args.calibrate_tokens or ([64, 256] if args.quick else [256, 2048])
     return args
 
 
@@ -122,12 +128,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if world > 1:
         partition.setup([group])
     results, first_timeline = [], None
+
+    def measure_at(tokens: int, n: int) -> Any:
+        query, context = _shape(args, tokens)
+        step, _ = make_step(model, query, context, seed=rank if config.kind == "moe" else 0)
+        return measure(model, step, n, warmup=args.warmup, repeats=args.repeats, sm_partition=partition)
+
     configs = [(t, n) for t in args.tokens for n in args.num_ubatches]
     for tokens, n in tqdm(configs, desc="configurations", disable=rank != 0):
-        query, context = _shape(args, tokens)
-        seed = rank if config.kind == "moe" else 0
-        step, _ = make_step(model, query, context, seed=seed)
-        m = measure(model, step, n, warmup=args.warmup, repeats=args.repeats, sm_partition=partition)
+        m = measure_at(tokens, n)
         first_timeline = first_timeline or m.timeline
         results.append({
             "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
@@ -135,12 +144,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "comm_sms": partition.comm_sms_for(), **m.as_dict(),
         })
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
+    if args.policy == "auto":
+        report["auto"] = _auto_policy(args, results, measure_at)
     if rank == 0 and args.plot and first_timeline:
         r = results[0]
         plot_timeline(first_timeline, args.plot,
                       f"{preset} {args.workload}, {r['tokens_per_rank']} tokens/rank, N={r['num_ubatches']}, "
                       f"world {world} {args.label}: speedup {r['speedup']:.2f}x of ideal {r['ideal_speedup']:.2f}x")
     return report
+
+
+def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measure_at: Any) -> dict[str, Any]:
+    """Calibrate on sizes of their own, then compare the policy's pick with the best measured
+    configuration at every sweep point (all from this run)."""
+    calibration = {t: measure_at(t, 2) for t in args.calibrate_tokens}
+    costs = calibrate(lambda t: (calibration[t].compute_ms, calibration[t].comm_ms),
+                      lambda t, n: calibration[t].ubatched_ms, args.calibrate_tokens)
+    policy = SplitPolicy(costs, candidates=[1, *args.num_ubatches])
+    points = []
+    for tokens in args.tokens:
+        rows = [r for r in results if r["tokens_per_rank"] == tokens]
+        measured = {1: rows[0]["baseline_ms"], **{r["num_ubatches"]: r["ubatched_ms"] for r in rows}}
+        choice = policy.decide(tokens)
+        best = min(measured, key=measured.get)
+        points.append({"tokens_per_rank": tokens, "choice": choice, "auto_ms": measured[choice],
+                       "best": best, "best_ms": measured[best],
+                       "auto_vs_best": round(measured[best] / measured[choice], 4)})
+    return {"costs": {"compute_ms": vars(costs.compute_ms), "comm_ms": vars(costs.comm_ms),
+                      "handoff_ms": costs.handoff_ms}, "points": points}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -161,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(format_table(report["results"]))
+        for point in report.get("auto", {}).get("points", []):
+            print(f"auto at {point['tokens_per_rank']} tokens: N={point['choice']} ({point['auto_ms']:.3f} ms), "
+                  f"best N={point['best']} ({point['best_ms']:.3f} ms): {point['auto_vs_best']:.3f}x of best")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2, default=str)

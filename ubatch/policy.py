@@ -1,0 +1,98 @@
+"""Whether to split a step, and into how many ubatches: never slower than running it whole.
+
+A cost model calibrated at start-up predicts a step's time for each ubatch count:
+
+- unsplit: ``C(t) + M(t)`` (compute then communication, serially);
+- N ubatches: ``N * max(c, m) + min(c, m) + (N - 1) * h`` with ``c = C(t/N)``, ``m = M(t/N)``: the
+  busier resource works N times in a row, the other adds one fill/drain stage, and every extra
+  ubatch pays the hand-off and the host's extra launches ``h``.
+
+``C`` and ``M`` are linear in the token count (their intercepts carry the small-GEMM and launch
+costs that make splitting small batches lose); ``h`` is what a measured split at the smallest
+calibration size cost beyond the model. Without calibration a threshold decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    intercept: float
+    slope: float
+
+    def __call__(self, x: float) -> float:
+        return max(0.0, self.intercept + self.slope * x)
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> Linear:
+        """Least squares through the points (a single point: through the origin)."""
+        if len(xs) != len(ys) or not xs:
+            raise ValueError(f"need matching, non-empty samples, got {len(xs)} x and {len(ys)} y")
+        if len(set(xs)) == 1:
+            return cls(0.0, sum(ys) / sum(xs) if xs[0] else 0.0)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return cls(my - slope * mx, slope)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    compute_ms: Linear
+    comm_ms: Linear
+    handoff_ms: float = 0.0
+
+    def predict_ms(self, num_tokens: int, num_ubatches: int) -> float:
+        if num_ubatches == 1:
+            return self.compute_ms(num_tokens) + self.comm_ms(num_tokens)
+        c = self.compute_ms(num_tokens / num_ubatches)
+        m = self.comm_ms(num_tokens / num_ubatches)
+        return num_ubatches * max(c, m) + min(c, m) + (num_ubatches - 1) * self.handoff_ms
+
+
+def calibrate(
+    serial_costs: Callable[[int], tuple[float, float]],
+    split_time: Callable[[int, int], float],
+    sizes: Sequence[int],
+) -> StepCosts:
+    """Fit the model: ``serial_costs(t) -> (compute_ms, comm_ms)`` of an unsplit step, measured
+    at each size; ``split_time(t, 2)`` measured at the smallest size sets the hand-off cost."""
+    if len(sizes) < 2:
+        raise ValueError(f"calibration needs at least two sizes, got {list(sizes)}")
+    samples = [serial_costs(t) for t in sizes]
+    compute = Linear.fit(list(sizes), [c for c, _ in samples])
+    comm = Linear.fit(list(sizes), [m for _, m in samples])
+    smallest = min(sizes)
+    modelled = StepCosts(compute, comm).predict_ms(smallest, 2)
+    return StepCosts(compute, comm, max(0.0, split_time(smallest, 2) - modelled))
+
+
+class SplitPolicy:
+    """Chooses the ubatch count per step: the predicted fastest, 1 (unsplit) on a tie.
+
+    ``min_gain`` is the predicted speedup a split must beat, so noise in the model never makes a
+    step slower; without costs, steps of at least ``threshold_tokens`` split in two.
+    """
+
+    def __init__(self, costs: StepCosts | None = None, *, candidates: Sequence[int] = (1, 2, 3, 4),
+                 min_gain: float = 1.05, threshold_tokens: int = 4096) -> None:
+        if not candidates or any(not isinstance(n, int) or n < 1 for n in candidates):
+            raise ValueError(f"candidates must be ubatch counts >= 1, got {list(candidates)}")
+        if min_gain < 1.0:
+            raise ValueError(f"min_gain must be >= 1.0, got {min_gain}")
+        self.costs = costs
+        self.candidates = sorted(set(candidates) | {1})
+        self.min_gain = min_gain
+        self.threshold_tokens = threshold_tokens
+
+    def decide(self, num_tokens: int) -> int:
+        splits = [n for n in self.candidates if 1 < n <= num_tokens]
+        if self.costs is None:
+            return 2 if splits and 2 in splits and num_tokens >= self.threshold_tokens else 1
+        unsplit = self.costs.predict_ms(num_tokens, 1)
+        best = min(splits, key=lambda n: self.costs.predict_ms(num_tokens, n), default=1)
+        if best == 1 or unsplit < self.min_gain * self.costs.predict_ms(num_tokens, best):
+            return 1
+        return best
