@@ -4,9 +4,9 @@ parallelism over an optional process group.
 Dispatch and combine are shape-static: every buffer's shape depends only on the number of
 tokens, so there is no host sync and the path is graph-capturable. Each rank sends a fixed
 ``capacity`` rows to every destination rank (worst case ``tokens * top_k`` unless a finite
-``capacity_factor`` is set), the local expert id of each row travels in a parallel int
-all-to-all, and the combine returns rows to the slots they were sent from, so the sender
-gathers them back without any extra routing message. Expert-parallel ranks must run the same
+``capacity_factor`` is set), the local expert id of each row travels as an extra column of the
+rows, and the combine returns rows to the slots they were sent from, so the sender gathers them
+back without any extra routing message. Expert-parallel ranks must run the same
 number of tokens per step (the data-parallel coordinator pads them to the maximum).
 """
 
@@ -77,6 +77,9 @@ class MoEFFN(nn.Module):
         self.top_k = config.top_k
         self.capacity_factor = config.capacity_factor
         self.num_local_experts = config.num_experts // world
+        if self.num_local_experts > 256:
+            raise ValueError(f"{self.num_local_experts} experts per rank: at most 256 (their ids travel as "
+                             f"bf16 values in the dispatch rows)")
         hidden, inter = config.hidden_size, config.moe_intermediate_size
 
         def weight(name: str, shape: tuple[int, int], fan_in: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,17 +133,16 @@ class MoEFFN(nn.Module):
         if cap < num_tokens * self.top_k:
             self.overflow_count += (~kept).sum()
 
-        send = x.new_zeros(rows + 1, hidden)
-        send.index_copy_(0, slot, x.repeat_interleave(self.top_k, dim=0))
-        send_expert = torch.full((rows + 1,), -1, dtype=torch.int64, device=x.device)
-        send_expert.index_copy_(0, slot, (ids % n_local).flatten())
-
+        # The local expert id rides in an extra column (exact in any float dtype for ids < 256),
+        # so one all-to-all carries rows and routing: a collective and a yield fewer per layer.
+        send = x.new_zeros(rows + 1, hidden + 1)
+        send[:, hidden] = -1
+        send.index_copy_(0, slot, torch.cat(
+            [x.repeat_interleave(self.top_k, dim=0), (ids % n_local).flatten()[:, None].to(x.dtype)], dim=1))
         recv = torch.empty_like(send[:rows])
-        recv_expert = torch.empty_like(send_expert[:rows])
         _all_to_all(recv, send[:rows], self.ep_group)
-        _all_to_all(recv_expert, send_expert[:rows], self.ep_group)
 
-        expert_out = self._experts(recv, recv_expert)
+        expert_out = self._experts(recv[:, :hidden], recv[:, hidden].long())
         back = x.new_zeros(rows + 1, hidden)
         _all_to_all(back[:rows], expert_out, self.ep_group)
 
