@@ -17,6 +17,7 @@ argument that the warm-up pass receives as NONE.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -146,13 +147,20 @@ class CudaGraphBackend:
             graph.capture_end()
 
     def recover(self) -> None:
-        """After a failed capture: drain the device and close the RNG's capture state.
+        """After a failed capture: drain the device, leave the aborted pool, heal the RNG.
 
-        The aborted capture never ran the generator's capture epilogue, so the next random op
-        would fail ("Offset increment outside graph capture"); one small successful capture
-        runs prologue and epilogue and puts the generator back in eager mode.
+        An aborted capture never reaches the end of ``capture_end``: the allocator still routes
+        that pool's captures ("already recording to mempool_id" on the next capture into it) and
+        the generator never ran its capture epilogue (the next random op fails with "Offset
+        increment outside graph capture"). Later graphs take a fresh pool, and one small
+        successful capture runs the generator's prologue and epilogue.
         """
         torch.cuda.synchronize(self.device)
+        end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end_allocate is not None:
+            with contextlib.suppress(Exception):
+                end_allocate(self.device.index, self.pool)
+        self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             torch.rand(1, device=self.device)

@@ -1,15 +1,19 @@
 """Whether to split a step, and into how many ubatches: never slower than running it whole.
 
-A cost model calibrated at start-up predicts a step's time for each ubatch count:
+A cost model calibrated at start-up predicts a step's time for each ubatch count ``N``:
 
-- unsplit: ``C(t) + M(t)`` (compute then communication, serially);
-- N ubatches: ``N * max(c, m) + min(c, m) + (N - 1) * h`` with ``c = C(t/N)``, ``m = M(t/N)``: the
-  busier resource works N times in a row, the other adds one fill/drain stage, and every extra
-  ubatch pays the hand-off and the host's extra launches ``h``.
+- the GPU: unsplit ``C(t) + M(t)`` (compute, then communication); split, ``N * max(c, m) +
+  min(c, m)`` with ``c = C(t/N)``, ``m = M(t/N)``: the busier resource works N times in a row and
+  the other adds one fill/drain stage;
+- the host: launching an unsplit step costs ``h``, and each ubatch of a split step ``h_u`` (its
+  share of the launches plus the hand-offs), so N ubatches cannot finish before ``N * h_u`` (what
+  makes eager splits of small batches lose);
+- the step takes the longer of the two.
 
-``C`` and ``M`` are linear in the token count (their intercepts carry the small-GEMM and launch
-costs that make splitting small batches lose); ``h`` is what a measured split at the smallest
-calibration size cost beyond the model. Without calibration a threshold decides.
+``C`` is GPU compute per token (measured at the largest calibration size, where the GPU, not the
+host, is the bottleneck), ``M`` is linear in the tokens; ``h`` and ``h_u`` come from the unsplit
+and the two-ubatch step at the smallest size, where the host is the bottleneck. A split must beat unsplit by ``min_gain`` in the model, a margin
+for what it leaves out; without calibration a token threshold decides.
 """
 
 from __future__ import annotations
@@ -40,33 +44,33 @@ class Linear:
 
 @dataclass(frozen=True)
 class StepCosts:
-    compute_ms: Linear
+    compute_ms_per_token: float
     comm_ms: Linear
-    handoff_ms: float = 0.0
+    host_ms: float = 0.0
+    ubatch_host_ms: float = 0.0
 
     def predict_ms(self, num_tokens: int, num_ubatches: int) -> float:
-        if num_ubatches == 1:
-            return self.compute_ms(num_tokens) + self.comm_ms(num_tokens)
-        c = self.compute_ms(num_tokens / num_ubatches)
+        c = self.compute_ms_per_token * num_tokens / num_ubatches
         m = self.comm_ms(num_tokens / num_ubatches)
-        return num_ubatches * max(c, m) + min(c, m) + (num_ubatches - 1) * self.handoff_ms
+        if num_ubatches == 1:
+            return max(c + m, self.host_ms)
+        return max(num_ubatches * max(c, m) + min(c, m), num_ubatches * self.ubatch_host_ms)
 
 
 def calibrate(
     serial_costs: Callable[[int], tuple[float, float]],
-    split_time: Callable[[int, int], float],
+    step_time: Callable[[int, int], float],
     sizes: Sequence[int],
 ) -> StepCosts:
-    """Fit the model: ``serial_costs(t) -> (compute_ms, comm_ms)`` of an unsplit step, measured
-    at each size; ``split_time(t, 2)`` measured at the smallest size sets the hand-off cost."""
+    """Fit the model: ``serial_costs(t) -> (compute_ms, comm_ms)`` of an unsplit step measured at
+    each size (compute and communication apart); ``step_time(t, n)`` of the whole step, unsplit
+    and in two ubatches, at the smallest size."""
     if len(sizes) < 2:
         raise ValueError(f"calibration needs at least two sizes, got {list(sizes)}")
-    samples = [serial_costs(t) for t in sizes]
-    compute = Linear.fit(list(sizes), [c for c, _ in samples])
-    comm = Linear.fit(list(sizes), [m for _, m in samples])
-    smallest = min(sizes)
-    modelled = StepCosts(compute, comm).predict_ms(smallest, 2)
-    return StepCosts(compute, comm, max(0.0, split_time(smallest, 2) - modelled))
+    samples = {t: serial_costs(t) for t in sizes}
+    largest, smallest = max(sizes), min(sizes)
+    comm = Linear.fit(list(samples), [m for _, m in samples.values()])
+    return StepCosts(samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2)
 
 
 class SplitPolicy:
@@ -77,7 +81,7 @@ class SplitPolicy:
     """
 
     def __init__(self, costs: StepCosts | None = None, *, candidates: Sequence[int] = (1, 2, 3, 4),
-                 min_gain: float = 1.05, threshold_tokens: int = 4096) -> None:
+                 min_gain: float = 1.15, threshold_tokens: int = 4096) -> None:
         if not candidates or any(not isinstance(n, int) or n < 1 for n in candidates):
             raise ValueError(f"candidates must be ubatch counts >= 1, got {list(candidates)}")
         if min_gain < 1.0:

@@ -159,7 +159,8 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
     configuration at every sweep point (all from this run)."""
     calibration = {t: measure_at(t, 2) for t in args.calibrate_tokens}
     costs = calibrate(lambda t: (calibration[t].compute_ms, calibration[t].comm_ms),
-                      lambda t, n: calibration[t].ubatched_ms, args.calibrate_tokens)
+                      lambda t, n: calibration[t].baseline_ms if n == 1 else calibration[t].ubatched_ms,
+                      args.calibrate_tokens)
     policy = SplitPolicy(costs, candidates=[1, *args.num_ubatches])
     points = []
     for tokens in args.tokens:
@@ -170,8 +171,8 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
         points.append({"tokens_per_rank": tokens, "choice": choice, "auto_ms": measured[choice],
                        "best": best, "best_ms": measured[best],
                        "auto_vs_best": round(measured[best] / measured[choice], 4)})
-    return {"costs": {"compute_ms": vars(costs.compute_ms), "comm_ms": vars(costs.comm_ms),
-                      "handoff_ms": costs.handoff_ms}, "points": points}
+    return {"costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
+                      "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms}, "points": points}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
