@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine (two H200s): the GPU tests, then the EP MoE benchmark in both NCCL regimes.
-# Logs, reports and timelines go to $OUT (default ./out). greenlet is installed from .whl/ when
-# the image lacks it (see README: "Running on the GPU machine").
+# On the GPU machine (two H200s): every GPU test, then the benchmarks behind the README's GPU
+# figures. Outputs go to $OUT (default ./out). greenlet is installed from .whl/ when the image
+# lacks it (see README: "Tests").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -11,14 +11,14 @@ if ! python3 -c "import greenlet" 2>/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi -L
-timeout 300 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$"; }
+slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-bench() {  # name, extra args...
-  local name=$1; shift
-  timeout 150 python3 -m torch.distributed.run --nproc-per-node 2 -m ubatch.bench --model moe \
-    --prompt-len 512 --out "$OUT/$name.json" --plot "$OUT/$name.png" --label "$name" "$@" 2>&1 \
-    | grep -v "configurations:" | tee -a "$OUT/bench.log" | tail -12
-}
-bench moe_prefill_nvlink --tokens 256,1024,4096 --num-ubatches 2,3
-NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 bench moe_prefill_slowlink --tokens 256,1024,4096 --num-ubatches 2,3
+nvidia-smi -L
+timeout 360 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
+prefill="-m ubatch.bench --model moe --prompt-len 512 --policy auto"
+run2 150 $prefill --tokens 256,1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_nvlink.json" --plot "$OUT/moe_prefill_nvlink.png" --label nvlink | tail -12
+slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_slowlink.json" --plot "$OUT/moe_prefill_slowlink.png" --label slow-link | tail -10
+slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --label slow-link-green | tail -10
+run2 120 scripts/bench_decode_graphs.py --out "$OUT/decode_graphs_2gpu.json" | tail -6
