@@ -14,6 +14,7 @@ allocator hazard in DESIGN.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,15 @@ def _world_size(group: Any) -> int:
 def _check_tensor(name: str, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _local_copy(op_name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """A gather or scatter over one rank: the input, unchanged, in the output's shape."""
+    if output.numel() != input.numel():
+        raise ValueError(
+            f"{op_name} with one rank needs equal sizes, got {output.numel()} and {input.numel()} elements"
+        )
+    output.view(-1).copy_(input.reshape(-1))
 
 
 def _run(
@@ -133,14 +143,7 @@ def all_gather_into_tensor(
     def launch(is_async: bool, group: Any) -> Any:
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=is_async)
 
-    def local() -> None:
-        if output_tensor.numel() != input_tensor.numel():
-            raise ValueError(
-                f"all_gather_into_tensor with one rank needs equal sizes, got {output_tensor.numel()} "
-                f"and {input_tensor.numel()} elements"
-            )
-        output_tensor.view(-1).copy_(input_tensor.reshape(-1))
-
+    local = functools.partial(_local_copy, "all_gather_into_tensor", output_tensor, input_tensor)
     return _run("all_gather_into_tensor", launch, local, group, async_op, timeout)
 
 
@@ -160,12 +163,5 @@ def reduce_scatter_tensor(
     def launch(is_async: bool, group: Any) -> Any:
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=is_async)
 
-    def local() -> None:
-        if output.numel() != input.numel():
-            raise ValueError(
-                f"reduce_scatter_tensor with one rank needs equal sizes, got {output.numel()} "
-                f"and {input.numel()} elements"
-            )
-        output.view(-1).copy_(input.reshape(-1))
-
+    local = functools.partial(_local_copy, "reduce_scatter_tensor", output, input)
     return _run("reduce_scatter_tensor", launch, local, group, async_op, timeout)
