@@ -12,10 +12,18 @@ preempts the most recently arrived request holding blocks, possibly itself, by r
 blocks are freed and its prompt plus the tokens generated so far are prefilled again later.
 When nothing at all could be scheduled, the most recently arrived block holder is preempted the
 same way, so the earliest request always makes progress.
+
+Data parallelism (``dp_group``): every rank has its own runner and schedules its own requests;
+every step every rank, idle ones too, agrees with the others through
+``coordinate_batch_across_dp`` on whether to split into ubatches and how many tokens each rank
+runs, then pads its batch to that count (padding tokens: slot -1, position 0). A rank with no work
+runs a step of padding only, so the expert-parallel all-to-alls (and every other collective in
+the model) stay matched across ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -23,10 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ubatch.attention import BlockPool, PagedKVCache, build_attention_metadata
-from ubatch.context import set_forward_context
+from ubatch.context import CUDAGraphMode, set_forward_context
+from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.models import Decoder, ModelConfig
+from ubatch.scheduler import DEFAULT_TIMEOUT_S
+from ubatch.slicing import UBatchSlice, split_batch
+from ubatch.wrapper import UBatchWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +102,23 @@ class BatchInputs:
 
 @dataclass
 class StepOutput:
-    """Tokens sampled this step (request id -> token) and the requests that finished
-    (request id -> all generated tokens)."""
+    """Tokens sampled this step (request id -> token), the requests that finished (request id ->
+    all generated tokens) and the token count every DP rank ran (padding included; all zero when
+    no rank had work, which is how ``generate`` knows every rank is done)."""
 
     new_tokens: dict[int, int] = field(default_factory=dict)
     finished: dict[int, list[int]] = field(default_factory=dict)
+    num_tokens_across_dp: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
-    """Serves greedy generation for one model on one rank with a paged KV cache."""
+    """Serves greedy generation for one model on one rank with a paged KV cache.
+
+    ``num_ubatches`` >= 2 runs the model through a ``UBatchWrapper`` on steps where every DP rank
+    can split (1: never split). ``dp_group`` makes this runner one data-parallel rank of that
+    group (see the module docstring); ``timeout_s`` bounds the per-step vote and every wait
+    inside a ubatch, so a peer that fails or hangs surfaces as an error, not a hang.
+    """
 
     def __init__(
         self,
@@ -109,12 +130,17 @@ class ModelRunner:
         block_size: int = 16,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
+        num_ubatches: int = 1,
+        dp_group: Any = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs)):
+                            ("max_num_seqs", max_num_seqs), ("num_ubatches", num_ubatches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.model = model
         self.config = config
         self.device = torch.device(device)
@@ -128,7 +154,27 @@ class ModelRunner:
         self.block_pool = BlockPool(num_kv_blocks)
         self._active: list[Request] = []
         self._next_id = 0
+        self.num_ubatches = num_ubatches
+        self.runnable = (UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
+                         if num_ubatches > 1 else model)
+        self._init_dp(dp_group, timeout_s)
         self.bind_kv_cache()
+
+    def _init_dp(self, dp_group: Any, timeout_s: float) -> None:
+        """The DP rank, size and vote group; expert parallelism needs equal token counts."""
+        ep_world = max((layer.ep_world for layer in getattr(self.model, "moe_layers", {}).values()), default=1)
+        if dp_group is not None and not dist.is_initialized():
+            raise ValueError("dp_group was given but torch.distributed is not initialized")
+        if dp_group is None and ep_world > 1:
+            raise ValueError(
+                f"the model is expert-parallel over {ep_world} ranks: pass dp_group so that every "
+                f"rank runs every step with the same token count"
+            )
+        self._dp_group = None if dp_group is None else dp_cpu_group(dp_group, timeout_s=timeout_s)
+        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self._pad_to_max = ep_world > 1
+        self._num_steps = 0
 
     def bind_kv_cache(self) -> None:
         """Point every attention layer at this runner's cache tensor for it."""
@@ -170,20 +216,64 @@ class ModelRunner:
     # ----- one step -------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Run one scheduled batch; returns the sampled tokens and the finished requests."""
-        with torch.inference_mode():
-            chunks = self.schedule()
-            if not chunks:
-                return StepOutput()
-            batch = self.build_inputs(chunks)
-            hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
-                                        slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
-            tokens = self.sample(hidden, batch.logits_indices)
-            self.check_overflow()
-            return self.update(chunks, tokens)
+        """Run one scheduled batch; returns the sampled tokens and the finished requests.
+
+        In data parallelism call it on every rank every step, idle or not: a rank with nothing
+        scheduled runs padding so the model's collectives stay matched.
+        """
+        self._num_steps += 1
+        try:
+            with torch.inference_mode():
+                return self._step()
+        except RuntimeError as exc:
+            if self._dp_group is not None:
+                exc.add_note(
+                    f"on data-parallel rank {self.dp_rank} of {self.dp_size}, step {self._num_steps}: "
+                    f"if a collective failed, a peer rank may have failed, exited or hung (see its log)"
+                )
+            raise
+
+    def _step(self) -> StepOutput:
+        chunks = self.schedule()
+        query_lens = [c.num_tokens for c in chunks]
+        decision = self.decide(sum(query_lens))
+        across = decision.num_tokens_across_dp
+        if not any(across):
+            return StepOutput(num_tokens_across_dp=across)
+        num_tokens = across[self.dp_rank]
+        batch = self.build_inputs(chunks, num_tokens_padded=num_tokens)
+        slices = split_batch(query_lens, self.num_ubatches, num_tokens) if decision.should_ubatch else None
+        hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                    slot_mapping=batch.slot_mapping, num_tokens=num_tokens,
+                                    num_tokens_across_dp=across if self._dp_group is not None else None,
+                                    ubatch_slices=slices)
+        tokens = self.sample(hidden, batch.logits_indices)
+        self.check_overflow()
+        out = self.update(chunks, tokens)
+        out.num_tokens_across_dp = across
+        return out
+
+    def decide(self, num_tokens: int) -> DPBatchDecision:
+        """This step's ubatch decision and per-rank token counts: voted across the DP group, or
+        local without one. Expert-parallel ranks always run the maximum count."""
+        wants_ubatch = self.num_ubatches > 1
+        if self._dp_group is None:
+            return local_batch_decision(num_tokens, num_tokens, wants_ubatch=wants_ubatch,
+                                        cudagraph_mode=CUDAGraphMode.NONE, num_ubatches=self.num_ubatches)
+        decision = coordinate_batch_across_dp(num_tokens, num_tokens, wants_ubatch=wants_ubatch,
+                                              cudagraph_mode=CUDAGraphMode.NONE,
+                                              num_ubatches=self.num_ubatches, group=self._dp_group)
+        if self._pad_to_max:
+            most = max(decision.num_tokens_across_dp)
+            decision = dataclasses.replace(decision, num_tokens_across_dp=[most] * self.dp_size)
+        return decision
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
-        """Greedy-generate for every prompt on an idle runner; outputs in prompt order."""
+        """Greedy-generate for every prompt on an idle runner; outputs in prompt order.
+
+        In data parallelism call it on every rank with that rank's own prompts (possibly none):
+        it steps until no rank has work left.
+        """
         if self._active:
             raise ValueError(
                 f"generate() needs an idle runner, but {len(self._active)} requests are in flight; "
@@ -196,9 +286,11 @@ class ModelRunner:
             self._validate(prompt, limit)
         ids = [self.add_request(prompt, limit) for prompt, limit in zip(prompts, limits)]
         finished: dict[int, list[int]] = {}
-        while self._active:
-            finished.update(self.step().finished)
-        return [finished[i] for i in ids]
+        while True:
+            out = self.step()
+            finished.update(out.finished)
+            if not any(out.num_tokens_across_dp):
+                return [finished[i] for i in ids]
 
     # ----- schedule -------------------------------------------------------------------------
 
@@ -280,14 +372,16 @@ class ModelRunner:
 
     # ----- inputs, model call, sampling -----------------------------------------------------
 
-    def build_inputs(self, chunks: list[Chunk]) -> BatchInputs:
-        """Flattened token ids / positions, block table, slot mapping and attention metadata."""
+    def build_inputs(self, chunks: list[Chunk], num_tokens_padded: int | None = None) -> BatchInputs:
+        """Flattened token ids / positions, block table, slot mapping and attention metadata,
+        padded at the end to ``num_tokens_padded`` (padding: token 0, position 0, slot -1; no
+        chunks at all makes a step of padding only)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        width = max(len(c.request.blocks) for c in chunks)
+        width = max((len(c.request.blocks) for c in chunks), default=0)
         table = [c.request.blocks + [0] * (width - len(c.request.blocks)) for c in chunks]
         for chunk in chunks:
             request, stop = chunk.request, chunk.start + chunk.num_tokens
@@ -296,11 +390,17 @@ class ModelRunner:
             slots += (request.blocks[p // bs] * bs + p % bs for p in range(chunk.start, stop))
             if chunk.reaches_end:
                 logits_indices.append(len(input_ids) - 1)
+        pad = (len(input_ids) if num_tokens_padded is None else num_tokens_padded) - len(input_ids)
+        if pad < 0:
+            raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {len(input_ids)} scheduled tokens")
+        input_ids += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
         metadata = build_attention_metadata(
             [c.num_tokens for c in chunks],
             [c.start + c.num_tokens for c in chunks],
-            torch.tensor(table, dtype=torch.int32),
+            torch.tensor(table, dtype=torch.int32).view(len(chunks), width),
             slot_mapping,
             device=self.device,
         )
@@ -322,15 +422,21 @@ class ModelRunner:
         *,
         slot_mapping: dict[str, torch.Tensor] | None = None,
         num_tokens: int | None = None,
+        num_tokens_across_dp: list[int] | None = None,
+        ubatch_slices: list[UBatchSlice] | None = None,
     ) -> torch.Tensor:
-        """The model call under its forward context; the one place to wrap or replace it."""
+        """The model call under its forward context; the one place to wrap or replace it.
+
+        With ``ubatch_slices`` the runnable (a UBatchWrapper) runs one ubatch per slice."""
         with set_forward_context(
             attn_metadata,
             slot_mapping=slot_mapping,
             num_tokens=input_ids.shape[0] if num_tokens is None else num_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            ubatch_slices=ubatch_slices,
             no_compile_layers=self.model.attention_layers,
         ):
-            return self.model(input_ids, positions)
+            return self.runnable(input_ids, positions)
 
     def sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> list[int]:
         """Greedy tokens for the rows at ``logits_indices`` (one host sync)."""

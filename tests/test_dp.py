@@ -1,0 +1,309 @@
+"""Data parallelism: the per-step vote, DP=2 EP=2 generation equal to one process holding the
+whole model and every request (ubatching on and off, unequal loads, an idle rank), and a peer
+that crashes or hangs mid-run surfacing as a clear error within a bounded time."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.dist_utils import run_distributed
+from ubatch.context import CUDAGraphMode
+from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
+from ubatch.models import ModelConfig, build_model
+from ubatch.runner import ModelRunner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+RUNNER = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+
+
+# ----- the vote ---------------------------------------------------------------------------------
+
+# (per-rank (unpadded, padded, wants_ubatch, mode)) -> (should_ubatch, num_tokens_across_dp, mode)
+VOTE_CASES = [
+    pytest.param([(10, 10, True, NONE), (7, 8, True, NONE)], (True, [10, 10], NONE), id="both-split"),
+    pytest.param([(10, 10, True, NONE), (9, 9, False, NONE)], (False, [10, 9], NONE), id="one-refuses"),
+    pytest.param([(10, 16, True, FULL), (9, 12, False, PIECEWISE)], (False, [16, 16], PIECEWISE),
+                 id="modes-differ"),
+    pytest.param([(100, 100, True, NONE), (3, 3, True, NONE)], (False, [100, 3], NONE),
+                 id="all-padding-ubatch"),
+    pytest.param([(100, 104, True, FULL), (53, 56, True, FULL)], (True, [104, 104], FULL),
+                 id="just-enough"),
+    pytest.param([(12, 12, True, NONE), (0, 0, True, NONE)], (False, [12, 0], NONE), id="idle-rank"),
+]
+
+
+def vote_body(rank: int, world_size: int, cases: list[tuple[list[tuple], tuple]]) -> None:
+    """Every case on both ranks; also: one collective per vote, the gloo group is cached, ranks
+    that disagree on num_ubatches all raise, and an EP runner without a DP group is refused."""
+    gathers = 0
+    gather = dist.all_gather
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        nonlocal gathers
+        gathers += 1
+        return gather(*args, **kwargs)
+
+    dist.all_gather = counting_gather
+    for votes, (should_ubatch, across, mode) in cases:
+        unpadded, padded, wants, rank_mode = votes[rank]
+        decision = coordinate_batch_across_dp(unpadded, padded, wants_ubatch=wants, cudagraph_mode=rank_mode)
+        assert decision == DPBatchDecision(should_ubatch, across, mode), (votes, decision)
+    assert gathers == len(cases)
+    dist.all_gather = gather
+
+    group = dp_cpu_group(timeout_s=30)
+    assert group is dp_cpu_group(timeout_s=30) and dist.get_backend(group) == "gloo"
+    with pytest.raises(ValueError, match=r"disagree on num_ubatches: \[2, 3\]"):
+        coordinate_batch_across_dp(8, 8, wants_ubatch=True, cudagraph_mode=NONE, num_ubatches=2 + rank,
+                                   group=group)
+    config = ModelConfig.preset("tiny-moe")
+    model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"expert-parallel over 2 ranks: pass dp_group"):
+        ModelRunner(model, config, device="cpu", **RUNNER)
+
+
+def test_vote_rules_two_ranks_gloo():
+    cases = [(p.values[0], p.values[1]) for p in VOTE_CASES]
+    run_distributed(vote_body, 2, cases)
+
+
+@pytest.mark.parametrize(("votes", "expected"), VOTE_CASES)
+def test_local_decision_is_each_ranks_own(votes, expected):
+    """With one rank (no process group) the rules apply to that rank alone."""
+    for unpadded, padded, wants, mode in votes:
+        decision = coordinate_batch_across_dp(unpadded, padded, wants_ubatch=wants, cudagraph_mode=mode)
+        expected_ubatch = wants and unpadded > padded // 2
+        assert decision == DPBatchDecision(expected_ubatch, [padded], mode)
+        assert decision == local_batch_decision(unpadded, padded, wants_ubatch=wants, cudagraph_mode=mode)
+
+
+def test_one_ubatch_never_splits():
+    decision = coordinate_batch_across_dp(64, 64, wants_ubatch=True, cudagraph_mode=NONE, num_ubatches=1)
+    assert not decision.should_ubatch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_tokens_unpadded=-1), r"num_tokens_unpadded must be an integer >= 0, got -1"),
+        (dict(num_tokens_padded=3), r"num_tokens_padded \(3\) is less than num_tokens_unpadded \(4\)"),
+        (dict(num_tokens_padded=4.0), r"num_tokens_padded must be an integer >= 0, got 4.0"),
+        (dict(num_ubatches=0), r"num_ubatches must be an integer >= 1, got 0"),
+        (dict(wants_ubatch=1), r"wants_ubatch must be a bool, got 1"),
+        (dict(cudagraph_mode=7), r"cudagraph_mode must be a CUDAGraphMode .*got 7"),
+    ],
+)
+def test_bad_vote_inputs(kwargs, match):
+    args = dict(num_tokens_unpadded=4, num_tokens_padded=4, wants_ubatch=True, cudagraph_mode=NONE)
+    with pytest.raises(ValueError, match=match):
+        coordinate_batch_across_dp(**{**args, **kwargs})
+
+
+# ----- generation -------------------------------------------------------------------------------
+
+# Per rank: (prompt lengths, max_new_tokens). Rank 1 finishes early (then runs padding steps);
+# in the second scenario it has no request at all.
+LOADS = {
+    "unequal": [((3, 17, 40, 9), (6, 4, 6, 5)), ((12, 9, 2), (2, 3, 2))],
+    "idle-rank": [((11, 26, 1), (5, 6, 4)), ((), ())],
+}
+
+
+def make_prompts(config: ModelConfig, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def record_steps(runner: ModelRunner) -> list[tuple[int, DPBatchDecision]]:
+    """Keep (real tokens of this rank, decision) of every step."""
+    steps: list[tuple[int, DPBatchDecision]] = []
+    decide = runner.decide
+
+    def recording(num_tokens: int) -> DPBatchDecision:
+        decision = decide(num_tokens)
+        steps.append((num_tokens, decision))
+        return decision
+
+    runner.decide = recording
+    return steps
+
+
+def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: int) -> None:
+    """DP+EP generation on every rank vs one runner holding the whole model and all requests."""
+    device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+    config = ModelConfig.preset("tiny-moe")
+    reference_runner = ModelRunner(build_model(config, device=device), config, device=device, **RUNNER)
+    model = build_model(config, device=device, ep_group=dist.group.WORLD)
+    runner = ModelRunner(model, config, device=device, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
+                         timeout_s=60, **RUNNER)
+    for name, loads in LOADS.items():
+        prompts = [make_prompts(config, lengths, seed=r) for r, (lengths, _) in enumerate(loads)]
+        limits = [list(limit) for _, limit in loads]
+        reference = reference_runner.generate(sum(prompts, []), sum(limits, []))
+        first = sum(len(p) for p in prompts[:rank])
+        steps = record_steps(runner)
+        assert runner.generate(prompts[rank], limits[rank]) == reference[first:first + len(prompts[rank])], name
+        assert runner.block_pool.num_free == RUNNER["num_kv_blocks"]
+        ran = steps[:-1]  # the last step is the all-idle one that ends generate() everywhere
+        assert not any(steps[-1][1].num_tokens_across_dp)
+        assert all(len(set(d.num_tokens_across_dp)) == 1 for _, d in ran), "EP ranks must run equal counts"
+        if rank == 1:
+            assert any(real == 0 for real, _ in ran), f"{name}: rank 1 never ran a padding-only step"
+        ubatched = [d.should_ubatch for _, d in ran]
+        assert any(ubatched) == (num_ubatches > 1 and name == "unequal"), (name, ubatched)
+        assert not all(ubatched), f"{name}: steps with a nearly idle rank must not split"
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_dp2_ep2_generation_equals_single_process_gloo(num_ubatches):
+    run_distributed(generation_body, 2, "cpu", num_ubatches)
+
+
+def test_local_ubatched_generation_equals_unsplit():
+    """Without DP the runner splits locally whenever every ubatch gets a real token."""
+    config = ModelConfig.preset("tiny-moe")
+    model = build_model(config, device="cpu")
+    prompts = make_prompts(config, (3, 17, 40, 9, 1), seed=0)
+    expected = ModelRunner(model, config, device="cpu", **RUNNER).generate(prompts, 5)
+    runner = ModelRunner(model, config, device="cpu", num_ubatches=3, **RUNNER)
+    steps = record_steps(runner)
+    assert runner.generate(prompts, 5) == expected
+    assert any(d.should_ubatch for _, d in steps) and not all(d.should_ubatch for _, d in steps)
+    assert all(d.num_tokens_across_dp == [real] for real, d in steps)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_dp2_ep2_generation_equals_single_process_nccl(num_ubatches):
+    run_distributed(generation_body, 2, "cuda", num_ubatches, backend="nccl")
+
+
+# ----- a peer that fails ------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], results: Any) -> None:
+    """Run ``fn`` and report (rank, result or error text); exit without tearing the group down,
+    since a peer may be gone."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, fn(rank)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, "".join(traceback.format_exception(exc))))
+    os._exit(0)
+
+
+def run_until_rank0_reports(fn: Callable[[int], Any], timeout_s: float) -> dict[int, Any]:
+    """Run ``fn(rank)`` on 2 gloo ranks; wait for rank 0 only, then kill whatever is left."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank_main, args=(r, 2, init_file, fn, results), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        procs[0].join(timeout_s)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        reported = {}
+        while not results.empty():
+            rank, value = results.get()
+            reported[rank] = value
+        return reported
+
+
+def failing_peer_body(rank: int, failure: str) -> Any:
+    """Rank 1 crashes inside its third model call, or hangs before its third vote; rank 0 returns
+    how long it took from its last good step to the error, and the error."""
+    config = ModelConfig.preset("tiny-moe")
+    model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    runner = ModelRunner(model, config, device="cpu", dp_group=dist.group.WORLD, timeout_s=2, **RUNNER)
+    prompts = make_prompts(config, (20, 7, 13), seed=rank)
+    calls = 0
+    if rank == 1:
+        seam = "execute_model" if failure == "crash" else "schedule"
+        original = getattr(runner, seam)
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                if failure == "crash":
+                    os._exit(1)
+                time.sleep(60)
+            return original(*args, **kwargs)
+
+        setattr(runner, seam, failing)
+        runner.generate(prompts, 8)
+        return "rank 1 finished although it should have failed"
+    last_good = time.monotonic()
+    step = runner.step
+
+    def timed_step() -> Any:
+        nonlocal last_good
+        out = step()
+        last_good = time.monotonic()
+        return out
+
+    runner.step = timed_step
+    try:
+        runner.generate(prompts, 8)
+    except RuntimeError as exc:
+        return time.monotonic() - last_good, "".join(traceback.format_exception_only(exc))
+    return "rank 0 finished although its peer failed"
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ("crash", r"(Connection reset|Connection closed)"),
+        ("hang", r"data-parallel step vote failed on rank 0 of 2: a peer rank failed, exited, timed out"),
+    ],
+)
+def test_failed_peer_makes_others_exit_with_clear_error(failure, message):
+    reported = run_until_rank0_reports(functools.partial(failing_peer_body, failure=failure), timeout_s=60)
+    assert 0 in reported, "rank 0 hung instead of raising"
+    assert isinstance(reported[0], tuple), reported[0]
+    elapsed, error = reported[0]
+    assert re.search(message, error), error
+    assert "on data-parallel rank 0 of 2, step" in error
+    assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to notice"
+    assert 1 not in reported, reported.get(1)
+
+
+# ----- torchrun ---------------------------------------------------------------------------------
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "scripts/torchrun_generate.py", "--device", "cpu", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_torchrun_generate_prints_throughput():
+    result = torchrun(2, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"tiny-moe on 2 x cpu, num_ubatches=2: 6 requests, 24 tokens in .* tokens/s", result.stdout)
+
+
+def test_torchrun_generate_names_a_world_size_that_does_not_fit():
+    result = torchrun(3, "--model", "moe")
+    assert result.returncode != 0
+    assert "4 experts, which cannot be split evenly over world size 3" in result.stderr
