@@ -14,11 +14,18 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
+parts=${GPU_CHECK_PARTS:-tests sm prefill decode generate}
+want() { [[ " $parts " == *" $1 "* ]]; }
+
 nvidia-smi -L
-timeout 360 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
-run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
+want tests && timeout 360 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+want sm && run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
 prefill="-m ubatch.bench --model moe --prompt-len 512 --policy auto"
-run2 150 $prefill --tokens 256,1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_nvlink.json" --plot "$OUT/moe_prefill_nvlink.png" --label nvlink | tail -12
-slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_slowlink.json" --plot "$OUT/moe_prefill_slowlink.png" --label slow-link | tail -10
-slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --label slow-link-green | tail -10
-run2 120 scripts/bench_decode_graphs.py --out "$OUT/decode_graphs_2gpu.json" | tail -6
+if want prefill; then
+  run2 150 $prefill --tokens 256,1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_nvlink.json" --plot "$OUT/moe_prefill_nvlink.png" --label nvlink | tail -12
+  slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_slowlink.json" --plot "$OUT/moe_prefill_slowlink.png" --label slow-link | tail -10
+  slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --label slow-link-green | tail -10
+fi
+want decode && run2 120 scripts/bench_decode_graphs.py --out "$OUT/decode_graphs_2gpu.json" | tail -6
+want generate && run2 120 scripts/torchrun_generate.py --model moe --num-ubatches 2 | tail -4
+exit 0
