@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ubatch.bench.graphs import GraphedModel
+from ubatch.graphed import GraphedModel
 from ubatch.bench.measure import median_ms
 from ubatch.bench.workload import make_step
 from ubatch.context import CUDAGraphMode

@@ -9,7 +9,7 @@ import torch
 
 from ubatch import CUDAGraphMode, get_forward_context, set_forward_context
 from ubatch.attention import TorchBackend
-from ubatch.bench.graphs import GraphedModel
+from ubatch.graphed import GraphedModel
 from ubatch.bench.workload import make_step
 from ubatch.context import capture_scope
 from ubatch.cudagraph import BatchExecutionDescriptor as BED

@@ -134,8 +134,8 @@ def record_steps(runner: ModelRunner) -> list[tuple[int, DPBatchDecision]]:
     steps: list[tuple[int, DPBatchDecision]] = []
     decide = runner.decide
 
-    def recording(num_tokens: int) -> DPBatchDecision:
-        decision = decide(num_tokens)
+    def recording(num_tokens: int, **kwargs: Any) -> DPBatchDecision:
+        decision = decide(num_tokens, **kwargs)
         steps.append((num_tokens, decision))
         return decision
 
@@ -143,14 +143,20 @@ def record_steps(runner: ModelRunner) -> list[tuple[int, DPBatchDecision]]:
     return steps
 
 
-def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: int) -> None:
+def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: int, graphs: bool = False) -> None:
     """DP+EP generation on every rank vs one runner holding the whole model and all requests."""
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
     config = ModelConfig.preset("tiny-moe")
     reference_runner = ModelRunner(build_model(config, device=device), config, device=device, **RUNNER)
     model = build_model(config, device=device, ep_group=dist.group.WORLD)
+    graph_options = dict(cudagraph_capture_sizes=[4, 8, 16], max_model_len=64) if graphs else {}
     runner = ModelRunner(model, config, device=device, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
-                         timeout_s=60, **RUNNER)
+                         timeout_s=60, **RUNNER, **graph_options)
+    replayed = []
+    if graphs:
+        runner.capture_graphs()
+        replay = runner.graphs.replay
+        runner.graphs.replay = lambda desc, *a: replayed.append(desc) or replay(desc, *a)
     for name, loads in LOADS.items():
         prompts = [make_prompts(config, lengths, seed=r) for r, (lengths, _) in enumerate(loads)]
         limits = [list(limit) for _, limit in loads]
@@ -167,6 +173,10 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
         ubatched = [d.should_ubatch for _, d in ran]
         assert any(ubatched) == (num_ubatches > 1 and name == "unequal"), (name, ubatched)
         assert not all(ubatched), f"{name}: steps with a nearly idle rank must not split"
+    if graphs:
+        assert {d.cg_mode for d in replayed} == {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}, replayed
+        if num_ubatches > 1:
+            assert any(d.num_ubatches == num_ubatches for d in replayed), "a ubatched FULL graph replayed"
 
 
 @pytest.mark.parametrize("num_ubatches", [1, 2])
@@ -188,9 +198,10 @@ def test_local_ubatched_generation_equals_unsplit():
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("num_ubatches", [1, 2])
-def test_dp2_ep2_generation_equals_single_process_nccl(num_ubatches):
-    run_distributed(generation_body, 2, "cuda", num_ubatches, backend="nccl")
+def test_dp2_ep2_generation_equals_single_process_nccl(num_ubatches, graphs):
+    run_distributed(generation_body, 2, "cuda", num_ubatches, graphs, backend="nccl")
 
 
 # ----- a peer that fails ------------------------------------------------------------------------

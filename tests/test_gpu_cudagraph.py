@@ -16,7 +16,7 @@ from tests.dist_utils import run_distributed
 from tests.test_cudagraph import SpyBackend
 from tests.test_ubatch_models import MODELS
 from ubatch import CUDAGraphMode
-from ubatch.bench.graphs import GraphedModel
+from ubatch.graphed import GraphedModel
 from ubatch.bench.workload import make_step
 from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
 from ubatch.models import ModelConfig, build_model

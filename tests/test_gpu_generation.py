@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.test_runner import naive_greedy, prompts_for
+from ubatch import CUDAGraphMode
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
 
@@ -19,3 +20,22 @@ def test_cuda_float32_greedy_equals_naive_recompute(preset):
                          max_num_batched_tokens=64)
     outputs = runner.generate(prompts, 12)
     assert outputs == [naive_greedy(model, p, 12) for p in prompts]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+@pytest.mark.parametrize("preset", ["small", "small-moe"])
+def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatches):
+    config = ModelConfig.preset(preset, dtype=torch.float32)
+    model = build_model(config, device="cuda")
+    prompts = prompts_for(config, (5, 70, 33, 128))
+    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16, max_num_batched_tokens=64,
+                         num_ubatches=num_ubatches, cudagraph_capture_sizes=[4, 8, 16, 32, 64], max_model_len=256)
+    runner.capture_graphs()
+    replayed = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
+    modes = {d.cg_mode for d in replayed}
+    assert modes == {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}, replayed
+    assert any(d.num_ubatches == num_ubatches for d in replayed)

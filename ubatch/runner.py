@@ -1,8 +1,9 @@
 """ModelRunner: requests -> flattened batches, paged KV blocks, attention metadata, greedy steps.
 
-A step is schedule -> build inputs -> execute -> sample -> update, each its own method, and the
-model call sits behind ``execute_model`` alone, so CUDA-graph dispatch or a UBatchWrapper can
-replace it without touching the rest.
+A step is schedule -> build inputs -> execute -> sample -> update, each its own method. With
+``cudagraph_capture_sizes`` (after ``capture_graphs()``) a step replays a captured graph where one
+fits (FULL for decode steps, unsplit or ubatched; PIECEWISE for the rest); otherwise the eager
+model call sits behind ``execute_model`` alone.
 
 Scheduling: decodes first (arrival order), then prefill chunks in arrival order under the token
 budget; a prompt longer than the remaining budget is split across steps (chunked-prefill
@@ -15,8 +16,9 @@ same way, so the earliest request always makes progress.
 
 Data parallelism (``dp_group``): every rank has its own runner and schedules its own requests;
 every step every rank, idle ones too, agrees with the others through
-``coordinate_batch_across_dp`` on whether to split into ubatches and how many tokens each rank
-runs, then pads its batch to that count (padding tokens: slot -1, position 0). A rank with no work
+``coordinate_batch_across_dp`` on whether to split into ubatches, the graph mode (the lowest any
+rank can replay) and how many tokens each rank runs (the largest graph size proposed), then pads
+its batch to that count (padding tokens: slot -1, position 0). A rank with no work
 runs a step of padding only, so the expert-parallel all-to-alls (and every other collective in
 the model) stay matched across ranks.
 """
@@ -35,7 +37,9 @@ import torch.distributed as dist
 
 from ubatch.attention import BlockPool, PagedKVCache, build_attention_metadata
 from ubatch.context import CUDAGraphMode, set_forward_context
+from ubatch.cudagraph import BatchExecutionDescriptor
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
+from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
@@ -133,6 +137,8 @@ class ModelRunner:
         num_ubatches: int = 1,
         dp_group: Any = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        cudagraph_capture_sizes: Sequence[int] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -159,6 +165,25 @@ class ModelRunner:
                          if num_ubatches > 1 else model)
         self._init_dp(dp_group, timeout_s)
         self.bind_kv_cache()
+        self.max_model_len = max_model_len or num_kv_blocks * block_size
+        self.graphs = self._make_graphs(cudagraph_capture_sizes)
+
+    def _make_graphs(self, capture_sizes: Sequence[int] | None) -> GraphedModel | None:
+        """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest; captured
+        by ``capture_graphs()``."""
+        if not capture_sizes:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
+        return GraphedModel(self.model, capture_sizes=capture_sizes,
+                            max_blocks_per_req=math.ceil(self.max_model_len / self.block_size),
+                            ubatch_counts=sorted({1, self.num_ubatches}))
+
+    def capture_graphs(self) -> None:
+        """Capture every graph (on every DP rank, which captures the same collectives)."""
+        if self.graphs is None:
+            raise ValueError("this runner has no cudagraph_capture_sizes")
+        self.graphs.capture()
 
     def _init_dp(self, dp_group: Any, timeout_s: float) -> None:
         """The DP rank, size and vote group; expert parallelism needs equal token counts."""
@@ -204,6 +229,11 @@ class ModelRunner:
                 raise ValueError(f"prompt token {token} at index {i} is out of range [0, {vocab})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if self.graphs is not None and len(prompt) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"request too long for max_model_len={self.max_model_len}: prompt of {len(prompt)} tokens + "
+                f"max_new_tokens={max_new_tokens}"
+            )
         blocks = math.ceil((len(prompt) + max_new_tokens) / self.block_size)
         if blocks > self.num_kv_blocks:
             raise ValueError(
@@ -236,32 +266,49 @@ class ModelRunner:
     def _step(self) -> StepOutput:
         chunks = self.schedule()
         query_lens = [c.num_tokens for c in chunks]
-        decision = self.decide(sum(query_lens))
+        graph = self._propose_graph(query_lens)
+        decision = self.decide(sum(query_lens), num_tokens_padded=graph.num_tokens if graph else None,
+                               cudagraph_mode=graph.cg_mode if graph else CUDAGraphMode.NONE)
         across = decision.num_tokens_across_dp
         if not any(across):
             return StepOutput(num_tokens_across_dp=across)
         num_tokens = across[self.dp_rank]
         batch = self.build_inputs(chunks, num_tokens_padded=num_tokens)
-        slices = split_batch(query_lens, self.num_ubatches, num_tokens) if decision.should_ubatch else None
-        hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
-                                    slot_mapping=batch.slot_mapping, num_tokens=num_tokens,
-                                    num_tokens_across_dp=across if self._dp_group is not None else None,
-                                    ubatch_slices=slices)
+        num_ubatches = self.num_ubatches if decision.should_ubatch else 1
+        graph = self.graphs.plan(sum(query_lens), len(query_lens), _uniform(query_lens), num_ubatches=num_ubatches,
+                                 num_tokens_padded=num_tokens, max_mode=decision.cudagraph_mode) if graph else None
+        if graph is not None:
+            hidden = self.graphs.replay(graph, batch.input_ids, batch.positions,
+                                        batch.attn_metadata[self.model.layer_names[0]])
+        else:
+            slices = split_batch(query_lens, num_ubatches, num_tokens) if num_ubatches > 1 else None
+            hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                        slot_mapping=batch.slot_mapping, num_tokens=num_tokens,
+                                        num_tokens_across_dp=across if self._dp_group is not None else None,
+                                        ubatch_slices=slices)
         tokens = self.sample(hidden, batch.logits_indices)
         self.check_overflow()
         out = self.update(chunks, tokens)
         out.num_tokens_across_dp = across
         return out
 
-    def decide(self, num_tokens: int) -> DPBatchDecision:
-        """This step's ubatch decision and per-rank token counts: voted across the DP group, or
-        local without one. Expert-parallel ranks always run the maximum count."""
+    def _propose_graph(self, query_lens: list[int]) -> BatchExecutionDescriptor | None:
+        """The graph this rank would replay for its batch alone (its size and mode go to the vote)."""
+        if self.graphs is None or not query_lens:
+            return None
+        return self.graphs.plan(sum(query_lens), len(query_lens), _uniform(query_lens))
+
+    def decide(self, num_tokens: int, num_tokens_padded: int | None = None,
+               cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> DPBatchDecision:
+        """This step's ubatch decision, graph mode and per-rank token counts: voted across the DP
+        group, or local without one. Expert-parallel ranks always run the maximum count."""
         wants_ubatch = self.num_ubatches > 1
+        padded = num_tokens if num_tokens_padded is None else num_tokens_padded
         if self._dp_group is None:
-            return local_batch_decision(num_tokens, num_tokens, wants_ubatch=wants_ubatch,
-                                        cudagraph_mode=CUDAGraphMode.NONE, num_ubatches=self.num_ubatches)
-        decision = coordinate_batch_across_dp(num_tokens, num_tokens, wants_ubatch=wants_ubatch,
-                                              cudagraph_mode=CUDAGraphMode.NONE,
+            return local_batch_decision(num_tokens, padded, wants_ubatch=wants_ubatch,
+                                        cudagraph_mode=cudagraph_mode, num_ubatches=self.num_ubatches)
+        decision = coordinate_batch_across_dp(num_tokens, padded, wants_ubatch=wants_ubatch,
+                                              cudagraph_mode=cudagraph_mode,
                                               num_ubatches=self.num_ubatches, group=self._dp_group)
         if self._pad_to_max:
             most = max(decision.num_tokens_across_dp)
@@ -513,3 +560,8 @@ def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, blo
     finally:
         for name, layer in model.attention_layers.items():
             layer.kv_cache = previous[name]
+
+
+def _uniform(query_lens: list[int]) -> int | None:
+    """Tokens per request when every request of the step has the same count, else None."""
+    return query_lens[0] if query_lens and len(set(query_lens)) == 1 else None

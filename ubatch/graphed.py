@@ -1,6 +1,6 @@
-"""A reference model behind a CudaGraphManager: FULL graphs for uniform batches (unsplit or
-ubatched), PIECEWISE for the rest, eager when nothing fits. Used by the graph benchmark and the
-GPU tests; the runner's own integration follows the same steps."""
+"""A model behind a CudaGraphManager: FULL graphs for uniform batches (unsplit or ubatched),
+PIECEWISE for the rest, eager when nothing fits. The runner, the graph benchmark and the GPU
+tests use it; the model is called as ``model(input_ids, positions)`` on a flattened batch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ubatch.attention import AttentionMetadata, build_attention_metadata
 from ubatch.context import CUDAGraphMode, set_forward_context
-from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager, make_descriptors
+from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager, dispatch, make_descriptors
 from ubatch.slicing import split_batch
 from ubatch.static_batch import StaticUniformBatch
 from ubatch.wrapper import UBatchWrapper
@@ -81,24 +81,42 @@ class GraphedModel:
         with torch.inference_mode():
             self.manager.capture(self._create_forward_fn, self.descriptors)
 
+    def plan(self, num_tokens: int, num_reqs: int, uniform_token_count: int | None, *,
+             num_ubatches: int = 1, num_tokens_padded: int | None = None,
+             max_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> BatchExecutionDescriptor | None:
+        """The graph a batch would replay: the smallest fitting descriptor, or one of exactly
+        ``num_tokens_padded`` tokens when given (data-parallel ranks must all run one size), of a
+        mode no higher than ``max_mode``; None means eager."""
+        if not self.manager.enabled:
+            return None
+        fits = [d for d in self.manager.graphs if d.cg_mode <= max_mode
+                and (num_tokens_padded is None or d.num_tokens == num_tokens_padded)]
+        target = num_tokens if num_tokens_padded is None else num_tokens_padded
+        return dispatch(fits, target, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
+                        num_ubatches=num_ubatches)
+
+    def replay(self, desc: BatchExecutionDescriptor, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay ``desc`` on this batch: hidden states ``[desc.num_tokens, H]`` (rows past the
+        batch's tokens are padding)."""
+        static = self.static[desc]
+        static.fill(input_ids, positions, metadata)
+        if desc.cg_mode == CUDAGraphMode.FULL:
+            return self.manager.replay(desc)
+        with set_forward_context({n: metadata for n in self.model.layer_names},
+                                 no_compile_layers=self.model.attention_layers,
+                                 cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
+            return self.manager.replay(desc)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
             *, num_ubatches: int = 1) -> torch.Tensor:
         """The step's hidden states ``[num_actual_tokens, H]``, replayed where a graph fits."""
-        num_tokens, num_reqs = metadata.num_actual_tokens, metadata.num_reqs
-        uniform = metadata.max_query_len if metadata.max_query_len * num_reqs == num_tokens else None
-        desc = self.manager.dispatch(num_tokens, num_reqs=num_reqs, uniform_token_count=uniform,
-                                     num_ubatches=num_ubatches)
+        desc = self.plan(metadata.num_actual_tokens, metadata.num_reqs, uniform_token_count(metadata),
+                         num_ubatches=num_ubatches)
         with torch.inference_mode():
             if desc is None:
                 return self.eager(input_ids, positions, metadata, num_ubatches=num_ubatches)
-            static = self.static[desc]
-            static.fill(input_ids, positions, metadata)
-            if desc.cg_mode == CUDAGraphMode.FULL:
-                return self.manager.replay(desc)[:num_tokens]
-            with set_forward_context({n: metadata for n in self.model.layer_names},
-                                     no_compile_layers=self.model.attention_layers,
-                                     cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
-                return self.manager.replay(desc)[:num_tokens]
+            return self.replay(desc, input_ids, positions, metadata)[: metadata.num_actual_tokens]
 
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
               *, num_ubatches: int = 1) -> torch.Tensor:
@@ -127,3 +145,10 @@ class _StaticTokens:
         self.input_ids[n:].zero_()
         self.positions[:n].copy_(positions[:n])
         self.positions[n:].zero_()
+
+
+def uniform_token_count(metadata: AttentionMetadata) -> int | None:
+    """Tokens per request when every request has the same query length, else None."""
+    if metadata.max_query_len * metadata.num_reqs == metadata.num_actual_tokens:
+        return metadata.max_query_len
+    return None
