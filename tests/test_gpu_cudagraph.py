@@ -20,6 +20,7 @@ from ubatch.graphed import GraphedModel
 from ubatch.bench.workload import make_step
 from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
 from ubatch.models import ModelConfig, build_model
+from ubatch.sm import SMPartition
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 BLOCK, MAX_BLOCKS = 4, 8
@@ -66,6 +67,15 @@ def test_full_decode_replay_equals_eager(model_kind, num_ubatches):
     model, graphed, cache = _graphed(model_kind, capture_sizes=[8, 16], ubatch_counts=(num_ubatches,),
                                      modes=(CUDAGraphMode.FULL,))
     _check_steps(model, graphed, _decode_shapes, num_ubatches, CUDAGraphMode.FULL, cache, seed=num_ubatches)
+
+
+@pytest.mark.cuda
+def test_full_ubatched_replay_on_a_green_sm_partition_equals_eager():
+    partition = SMPartition("green", 16, "cuda")
+    model, graphed, cache = _graphed("moe", capture_sizes=[8, 16], ubatch_counts=(2,), modes=(CUDAGraphMode.FULL,),
+                                     sm_partition=partition)
+    assert partition.effective_mode == "green", partition.reason
+    _check_steps(model, graphed, _decode_shapes, 2, CUDAGraphMode.FULL, cache, seed=11)
 
 
 @pytest.mark.cuda

@@ -31,6 +31,7 @@ class GraphedModel:
         modes: Sequence[CUDAGraphMode] = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE),
         use_breakable_cg: bool = False,
         graph_backend: Any = None,
+        sm_partition: Any = None,
     ) -> None:
         self.model = model
         self.max_blocks_per_req = max_blocks_per_req
@@ -38,7 +39,8 @@ class GraphedModel:
                                         backend=graph_backend)
         self.descriptors = make_descriptors(capture_sizes, modes=modes, uniform_token_count=uniform_token_count,
                                             ubatch_counts=ubatch_counts)
-        self.wrappers = {n: UBatchWrapper(model, num_ubatches=n, device=model.device) for n in ubatch_counts if n > 1}
+        self.wrappers = {n: UBatchWrapper(model, num_ubatches=n, device=model.device, sm_partition=sm_partition)
+                         for n in ubatch_counts if n > 1}
         self.static: dict[BatchExecutionDescriptor, Any] = {}
 
     def _runnable(self, num_ubatches: int) -> Any:
