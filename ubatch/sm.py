@@ -130,14 +130,12 @@ class _GreenContexts:
 
     def __del__(self) -> None:
         driver = self._driver
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown may have unloaded the driver
             for handle in self._streams:
                 driver.cuStreamSynchronize(handle)
                 driver.cuStreamDestroy(handle)
             for context in self._contexts:
                 driver.cuGreenCtxDestroy(context)
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have unloaded the driver
-            pass
 
 
 class SMPartition:
