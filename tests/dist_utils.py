@@ -1,10 +1,11 @@
 """Run a test body in N processes (gloo on CPU, or NCCL with one GPU per rank), re-raising the
-first failure in the parent."""
+first failure in the parent (and stopping the other ranks at once)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -52,12 +53,15 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout_s)
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        # Stop at the first failure: its peers would wait in a collective until they time out.
+        deadline = time.monotonic() + timeout_s
+        while errors.empty() and any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()] if errors.empty() else []
         for p in procs:
             if p.is_alive():
                 p.kill()
+            p.join(5)
         if not errors.empty():
             raise AssertionError(errors.get())
         if hung:
