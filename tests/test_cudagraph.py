@@ -87,7 +87,6 @@ class SpyBackend(TorchBackend):
         (dict(cg_mode=FULL, num_tokens=0), "num_tokens must be an integer >= 1, got 0"),
         (dict(cg_mode=FULL, num_tokens=8, uniform_token_count=3), "not a multiple"),
         (dict(cg_mode=FULL, num_tokens=8, uniform_token_count=2, num_reqs=3), "has 4 requests, not 3"),
-        (dict(cg_mode=PIECEWISE, num_tokens=8, num_ubatches=2), "PIECEWISE graphs of a ubatched"),
         (dict(cg_mode=FULL, num_tokens=2, num_ubatches=3), "num_ubatches=3 exceeds num_tokens=2"),
     ],
 )
@@ -106,7 +105,8 @@ def test_dispatch_picks_smallest_compatible_full_first():
     # the same size of tokens, but 2 tokens per request: not the decode graph
     assert dispatch(descs, 8, num_reqs=4, uniform_token_count=2) == BED(PIECEWISE, 8)
     assert dispatch(descs, 33, num_reqs=33, uniform_token_count=1) is None
-    assert dispatch(descs, 8, num_reqs=2, uniform_token_count=None, num_ubatches=2) is None
+    assert dispatch(descs, 8, num_reqs=2, uniform_token_count=None, num_ubatches=2) == BED(PIECEWISE, 8, num_ubatches=2)
+    assert dispatch(descs, 8, num_reqs=2, uniform_token_count=None, num_ubatches=3) is None
 
 
 def _forward_fn_factory(seen):
@@ -205,3 +205,23 @@ def test_piecewise_scope_reaches_every_ubatch():
                                  ubatch_slices=step.slices(2), skip_attention=False):
             wrapper(step.input_ids, step.positions)
     assert spy.calls == 0
+
+
+def test_ubatched_piecewise_capture_records_a_program_per_ubatch_and_skips_attention():
+    spy = SpyBackend(fail_on_dummy=True)
+    model, graphed = _tiny_graphed(spy, breakable=False, modes=(PIECEWISE,), ubatch_counts=(2,))
+    graphed.capture()
+    assert spy.calls == 0, "no ubatch of a PIECEWISE warm-up or capture may run attention"
+    program = graphed.manager.graphs[BED(PIECEWISE, 8, num_ubatches=2)]
+    blocks = [i for i in program.items if hasattr(i, "programs")]
+    assert len(blocks) == 1 and len(blocks[0].programs) == 2
+    for ubatch_program in blocks[0].programs:
+        islands = [i for i in ubatch_program.items if hasattr(i, "fn")]
+        assert len(islands) >= model.config.num_layers
+
+
+def test_breakable_ubatched_piecewise_capture_runs_attention_in_every_ubatch():
+    spy = SpyBackend()
+    _, graphed = _tiny_graphed(spy, breakable=True, modes=(PIECEWISE,), ubatch_counts=(2,))
+    graphed.capture()
+    assert spy.calls == 2 * 2 * 2, "warm-up and capture, 2 ubatches, 2 layers"

@@ -85,6 +85,23 @@ def test_piecewise_replay_equals_eager_for_mixed_and_prefill(model_kind):
     _check_steps(model, graphed, _mixed_shapes, 1, CUDAGraphMode.PIECEWISE, cache, seed=7)
 
 
+def _ubatchable_mixed_shapes(rng):
+    out = []
+    for _ in range(4):
+        n = rng.randint(3, 5)
+        out.append(([rng.randint(4, 6) for _ in range(n)], [rng.choice([0, rng.randint(1, 12)]) for _ in range(n)]))
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_ubatches", [2, 3])
+@pytest.mark.parametrize("model_kind", list(MODELS))
+def test_ubatched_piecewise_replay_equals_eager(model_kind, num_ubatches):
+    model, graphed, cache = _graphed(model_kind, capture_sizes=[16, 32], ubatch_counts=(num_ubatches,),
+                                     modes=(CUDAGraphMode.PIECEWISE,))
+    _check_steps(model, graphed, _ubatchable_mixed_shapes, num_ubatches, CUDAGraphMode.PIECEWISE, cache, seed=5)
+
+
 @pytest.mark.cuda
 def test_piecewise_capture_skips_attention_and_replay_runs_it():
     spy = SpyBackend(fail_on_dummy=True)

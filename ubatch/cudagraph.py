@@ -6,7 +6,8 @@ live in static buffers that the caller refills before each replay.
 
 PIECEWISE captures the step as graph segments between eager islands (attention and
 collectives, see ``ubatch.islands``); at replay the segments replay and the islands run eagerly
-with the step's real forward context. By default attention takes its profiling path during the
+with the step's real forward context. A ubatched step becomes one such program per ubatch,
+replayed through the scheduler so that collectives still overlap. By default attention takes its profiling path during the
 warm-up and capture of a PIECEWISE descriptor; with ``use_breakable_cg`` it runs there too.
 
 The rule that ended the bug this project started from: whether attention is skipped during a
@@ -18,6 +19,7 @@ argument that the warm-up pass receives as NONE.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
@@ -63,11 +65,6 @@ class BatchExecutionDescriptor:
             if self.num_reqs not in (None, expected):
                 raise ValueError(f"a uniform batch of {self.num_tokens} tokens, {u} per request, has {expected} requests, not {self.num_reqs}")
             object.__setattr__(self, "num_reqs", expected)
-        if self.cg_mode == CUDAGraphMode.PIECEWISE and self.num_ubatches > 1:
-            raise ValueError(
-                "PIECEWISE graphs of a ubatched schedule are not supported: ubatched mixed and prefill "
-                "steps run eagerly (FULL graphs cover ubatched uniform batches)"
-            )
         if self.num_ubatches > self.num_tokens:
             raise ValueError(f"num_ubatches={self.num_ubatches} exceeds num_tokens={self.num_tokens}")
 
@@ -79,16 +76,16 @@ def make_descriptors(
     uniform_token_count: int = 1,
     ubatch_counts: Sequence[int] = (1,),
 ) -> list[BatchExecutionDescriptor]:
-    """The usual set: FULL for uniform batches (decode by default) of every size and ubatch
-    count, PIECEWISE for any batch of every size (unsplit)."""
+    """The usual set: FULL for uniform batches (decode by default) and PIECEWISE for any batch,
+    of every size and ubatch count."""
     out = []
     for size in sorted(set(capture_sizes)):
-        if CUDAGraphMode.FULL in modes and size % uniform_token_count == 0:
-            for n in ubatch_counts:
-                if size // uniform_token_count >= n:
-                    out.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=uniform_token_count, num_ubatches=n))
-        if CUDAGraphMode.PIECEWISE in modes:
-            out.append(BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, size))
+        for n in ubatch_counts:
+            if CUDAGraphMode.FULL in modes and size % uniform_token_count == 0 and size // uniform_token_count >= n:
+                out.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=uniform_token_count,
+                                                    num_ubatches=n))
+            if CUDAGraphMode.PIECEWISE in modes and size >= n:
+                out.append(BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, size, num_ubatches=n))
     return out
 
 
@@ -188,7 +185,7 @@ class _Island:
     args: tuple[Any, ...]
     out: Any
 
-    def run(self) -> None:
+    def replay(self) -> None:
         result = self.fn(*self.args)
         if isinstance(self.out, torch.Tensor):
             self.out.copy_(result)
@@ -196,18 +193,28 @@ class _Island:
 
 @dataclass
 class PiecewiseProgram:
-    """Graph segments and the eager islands between them, in the order they ran."""
+    """Graph segments, eager islands and ubatched blocks, in the order they ran."""
 
     items: list[Any] = field(default_factory=list)
     output: Any = None
 
     def replay(self) -> Any:
         for item in self.items:
-            if isinstance(item, _Island):
-                item.run()
-            else:
-                item.replay()
+            item.replay()
         return self.output
+
+
+@dataclass
+class _UbatchBlock:
+    """A ubatched schedule inside a piecewise program: one program per ubatch, replayed as
+    ubatches again (so their collectives overlap) under contexts derived at replay time."""
+
+    run: Callable[[list[Callable[[], Any]]], list[Any]]
+    contextualize: Callable[[list[Callable[[], Any]]], list[Callable[[], Any]]]
+    programs: list[PiecewiseProgram]
+
+    def replay(self) -> None:
+        self.run(self.contextualize([program.replay for program in self.programs]))
 
 
 class _PiecewiseRecorder:
@@ -233,14 +240,31 @@ class _PiecewiseRecorder:
         self.open()
         return out
 
-    def capture(self, forward: Callable[[], Any]) -> PiecewiseProgram:
-        with self.backend.capture_stream(), islands.recording(self):
+    def ubatches(self, run: Callable[[list[Callable[[], Any]]], list[Any]], tasks: list[Callable[[], Any]],
+                 contextualize: Callable[[list[Callable[[], Any]]], list[Callable[[], Any]]]) -> list[Any]:
+        """Capture each ubatch as its own program on its own stream. Captures never overlap:
+        a ubatch yields only inside an island, where its segment is closed."""
+        self.close()
+        recorders = [_PiecewiseRecorder(self.backend) for _ in tasks]
+        outputs = run(contextualize([functools.partial(r.record, t) for r, t in zip(recorders, tasks)]))
+        self.program.items.append(_UbatchBlock(run, contextualize, [r.program for r in recorders]))
+        self.open()
+        return outputs
+
+    def record(self, forward: Callable[[], Any]) -> Any:
+        """Run ``forward`` as this recorder's program, on the current stream."""
+        with islands.recording(self):
             self.open()
             try:
                 self.program.output = forward()
             finally:
                 if self.graph is not None:
                     self.close()
+        return self.program.output
+
+    def capture(self, forward: Callable[[], Any]) -> PiecewiseProgram:
+        with self.backend.capture_stream():
+            self.record(forward)
         return self.program
 
 

@@ -57,6 +57,8 @@ class GraphedModel:
             static = _StaticTokens(desc.num_tokens, model.device)
             self.static[desc] = static
             metadata, kwargs = self._dummy_metadata(desc.num_tokens), {"num_tokens": desc.num_tokens}
+            if desc.num_ubatches > 1:
+                kwargs["ubatch_slices"] = split_batch([desc.num_tokens], desc.num_ubatches)
         runnable = self._runnable(desc.num_ubatches)
 
         def forward_fn(mode: CUDAGraphMode) -> torch.Tensor:
@@ -92,7 +94,8 @@ class GraphedModel:
         if not self.manager.enabled:
             return None
         fits = [d for d in self.manager.graphs if d.cg_mode <= max_mode
-                and (num_tokens_padded is None or d.num_tokens == num_tokens_padded)]
+                and (num_tokens_padded is None or d.num_tokens == num_tokens_padded)
+                and (d.num_ubatches - 1) * d.num_tokens // d.num_ubatches < num_tokens]  # no all-padding ubatch
         target = num_tokens if num_tokens_padded is None else num_tokens_padded
         return dispatch(fits, target, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
                         num_ubatches=num_ubatches)
@@ -105,8 +108,11 @@ class GraphedModel:
         static.fill(input_ids, positions, metadata)
         if desc.cg_mode == CUDAGraphMode.FULL:
             return self.manager.replay(desc)
+        slices = None
+        if desc.num_ubatches > 1:
+            slices = split_batch(_query_lens(metadata), desc.num_ubatches, desc.num_tokens)
         with set_forward_context({n: metadata for n in self.model.layer_names},
-                                 no_compile_layers=self.model.attention_layers,
+                                 no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
                                  cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
             return self.manager.replay(desc)
 
@@ -123,10 +129,7 @@ class GraphedModel:
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
               *, num_ubatches: int = 1) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        slices = None
-        if num_ubatches > 1:
-            query_lens = (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).tolist()
-            slices = split_batch(query_lens, num_ubatches)
+        slices = split_batch(_query_lens(metadata), num_ubatches) if num_ubatches > 1 else None
         with torch.inference_mode(), set_forward_context(
             {n: metadata for n in self.model.layer_names}, no_compile_layers=self.model.attention_layers,
             ubatch_slices=slices, num_tokens=num_tokens,
@@ -154,3 +157,7 @@ def uniform_token_count(metadata: AttentionMetadata) -> int | None:
     if metadata.max_query_len * metadata.num_reqs == metadata.num_actual_tokens:
         return metadata.max_query_len
     return None
+
+
+def _query_lens(metadata: AttentionMetadata) -> list[int]:
+    return (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).tolist()

@@ -3,7 +3,8 @@
 Attention (its metadata changes every step) and collectives (they yield to other ubatches) are
 islands. Outside a piecewise capture an island is a plain call. During one, the recorder in
 ``ubatch.cudagraph`` closes the graph segment before the island, runs it eagerly, remembers it
-with its (static) arguments and opens the next segment. This module sits on the bottom floor so
+with its (static) arguments and opens the next segment; a ubatched schedule inside becomes one
+such program per ubatch, captured on that ubatch's stream. This module sits on the bottom floor so
 that attention and comm can mark their islands without importing the graph machinery.
 """
 
@@ -15,8 +16,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
+Tasks = list[Callable[[], Any]]
+
+
 class IslandRecorder(Protocol):
     def island(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any: ...
+
+    def ubatches(self, run: Callable[[Tasks], list[Any]], tasks: Tasks,
+                 contextualize: Callable[[Tasks], Tasks]) -> list[Any]: ...
 
 
 _recorder: contextvars.ContextVar[IslandRecorder | None] = contextvars.ContextVar(
@@ -30,6 +37,16 @@ def run_island(fn: Callable[..., Any], *args: Any) -> Any:
     if recorder is None:
         return fn(*args)
     return recorder.island(fn, args)
+
+
+def run_ubatches(run: Callable[[Tasks], list[Any]], tasks: Tasks, contextualize: Callable[[Tasks], Tasks]) -> list[Any]:
+    """``run(contextualize(tasks))``: a ubatched schedule, which a piecewise recorder captures as
+    one program per ubatch (``contextualize`` gives callables their ubatch's forward context,
+    derived from whatever context is current, at capture and again at every replay)."""
+    recorder = _recorder.get()
+    if recorder is None:
+        return run(contextualize(tasks))
+    return recorder.ubatches(run, tasks, contextualize)
 
 
 @contextlib.contextmanager

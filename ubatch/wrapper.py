@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ubatch import islands
 from ubatch.attention import AttentionMetadata
 from ubatch.context import DPMetadata, ForwardContext, get_forward_context, is_forward_context_available
 from ubatch.context import override_forward_context
@@ -182,14 +183,13 @@ class UBatchWrapper:
         slices = self._slices()
         if slices is None:
             return self._runnable(*args, **kwargs)
-        children = make_ubatch_contexts(get_forward_context(), slices)
         total = slices_total(slices)
         tasks = []
-        for child, s in zip(children, slices):
+        for s in slices:
             ub_args, ub_kwargs = slice_arguments(args, kwargs, s, total)
-            tasks.append(functools.partial(self._run_ubatch, child, ub_args, ub_kwargs))
+            tasks.append(functools.partial(self._runnable, *ub_args, **ub_kwargs))
         with self.sm_partition.compute_context() if self.sm_partition else contextlib.nullcontext():
-            outputs = self.scheduler.run(tasks)
+            outputs = islands.run_ubatches(self.scheduler.run, tasks, self._contextualize)
         return merge_outputs(outputs)
 
     def _slices(self) -> list[UBatchSlice] | None:
@@ -206,6 +206,13 @@ class UBatchWrapper:
         check_slices(slices)
         return list(slices)
 
-    def _run_ubatch(self, ctx: ForwardContext, args: tuple, kwargs: dict) -> Any:
-        with override_forward_context(ctx):
-            return self._runnable(*args, **kwargs)
+    def _contextualize(self, tasks: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
+        """Each task under its ubatch's context, derived from the current one (a piecewise graph
+        replay calls this again, with the replayed step's metadata and slices)."""
+        children = make_ubatch_contexts(get_forward_context(), self._slices())
+        return [functools.partial(_run_in_context, child, task) for child, task in zip(children, tasks)]
+
+
+def _run_in_context(ctx: ForwardContext, task: Callable[[], Any]) -> Any:
+    with override_forward_context(ctx):
+        return task()
