@@ -94,7 +94,7 @@ def _ubatchable_mixed_shapes(rng):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_ubatches", [2, 3])
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
 @pytest.mark.parametrize("model_kind", list(MODELS))
 def test_ubatched_piecewise_replay_equals_eager(model_kind, num_ubatches):
     model, graphed, cache = _graphed(model_kind, capture_sizes=[16, 32], ubatch_counts=(num_ubatches,),
