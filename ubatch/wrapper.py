@@ -12,7 +12,7 @@ import torch
 
 from ubatch import islands
 from ubatch.attention import AttentionMetadata
-from ubatch.context import DPMetadata, ForwardContext, get_forward_context, is_forward_context_available
+from ubatch.context import DPMetadata, ForwardContext, derive_context, get_forward_context, is_forward_context_available
 from ubatch.context import override_forward_context
 from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler
 from ubatch.sm import SMPartition
@@ -32,7 +32,7 @@ def make_ubatch_contexts(parent: ForwardContext, slices: Sequence[UBatchSlice]) 
     children = []
     for i, s in enumerate(slices):
         children.append(
-            dataclasses.replace(
+            derive_context(
                 parent,
                 attn_metadata=metadata[i],
                 slot_mapping=slot_mappings[i],
