@@ -15,3 +15,15 @@ def test_quick_run_writes_report_and_plot(tmp_path, capsys):
         assert r["ideal_speedup"] >= 1.0 and r["compute_ms"] > 0
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
+
+
+def test_mixed_workload_and_chrome_trace(tmp_path):
+    out, trace = tmp_path / "report.json", tmp_path / "trace.json"
+    main(["--device", "cpu", "--workload", "mixed", "--tokens", "96", "--prompt-len", "32", "--context-len", "8",
+          "--num-ubatches", "2,3", "--warmup", "0", "--repeats", "1", "--out", str(out), "--chrome-trace", str(trace)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["num_ubatches"] for r in results] == [2, 3] and all(r["workload"] == "mixed" for r in results)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} >= {"ubatch 0 compute", "ubatch 1 compute"}

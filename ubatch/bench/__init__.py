@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ubatch.bench.measure import measure
-from ubatch.bench.plot import plot_timeline
+from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.policy import SplitPolicy, calibrate
@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=["moe", "dense"], default="moe")
     p.add_argument("--preset", help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)")
     p.add_argument("--layers", type=int, help="override the preset's number of layers")
-    p.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
+    p.add_argument("--workload", choices=["prefill", "decode", "mixed"], default="prefill",
+                   help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks")
     p.add_argument("--tokens", type=_int_list, default=[512], help="tokens per rank per step, e.g. 256,1024")
     p.add_argument("--prompt-len", type=int, default=128, help="prefill: tokens per request")
     p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write a timeline PNG of the first configuration's ubatched step here")
+    p.add_argument("--chrome-trace", help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
     args = p.parse_args(argv)
     if args.quick:
@@ -104,11 +106,11 @@ def _environment(device: torch.device, world: int) -> dict[str, Any]:
 
 
 def _shape(args: argparse.Namespace, tokens: int) -> tuple[list[int], list[int]]:
-    if args.workload == "decode":
-        return [1] * tokens, [args.context_len] * tokens
-    full, rest = divmod(tokens, args.prompt_len)
-    query = [args.prompt_len] * full + ([rest] if rest else [])
-    return query, [0] * len(query)
+    """(query lengths, cached context lengths) of the step's requests."""
+    decodes = {"decode": tokens, "mixed": tokens // 4, "prefill": 0}[args.workload]
+    full, rest = divmod(tokens - decodes, args.prompt_len)
+    prefill = [args.prompt_len] * full + ([rest] if rest else [])
+    return [1] * decodes + prefill, [args.context_len] * decodes + [0] * len(prefill)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
     if args.policy == "auto":
         report["auto"] = _auto_policy(args, results, measure_at)
+    if rank == 0 and args.chrome_trace and first_timeline:
+        write_chrome_trace(first_timeline, args.chrome_trace)
     if rank == 0 and args.plot and first_timeline:
         r = results[0]
         plot_timeline(first_timeline, args.plot,
