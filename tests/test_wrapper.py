@@ -218,3 +218,12 @@ def test_an_sm_partition_degrades_to_none_on_cpu_and_the_wrapper_still_runs(capl
         assert torch.equal(wrapper(torch.ones(4)), torch.full((4,), 2.0))
     with pytest.raises(ValueError, match="either a scheduler or an sm_partition"):
         UBatchWrapper(lambda x: x, device="cpu", sm_partition=partition, scheduler=wrapper.scheduler)
+
+
+def test_the_public_contract_is_importable_from_the_package():
+    import ubatch
+
+    for name in ("ForwardContext", "set_forward_context", "override_forward_context", "get_forward_context",
+                 "UBatchSlice", "split_batch", "UBatchWrapper", "current_ubatch_id", "yield_ubatch",
+                 "CUDAGraphMode", "BatchExecutionDescriptor", "CudaGraphManager"):
+        assert hasattr(ubatch, name), name

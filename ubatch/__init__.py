@@ -9,13 +9,24 @@ from ubatch.context import (
     override_forward_context,
     set_forward_context,
 )
+from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
+from ubatch.scheduler import current_ubatch_id, yield_ubatch
+from ubatch.slicing import UBatchSlice, split_batch
+from ubatch.wrapper import UBatchWrapper
 
 __all__ = [
     "BatchDescriptor",
+    "BatchExecutionDescriptor",
     "CUDAGraphMode",
+    "CudaGraphManager",
     "DPMetadata",
     "ForwardContext",
+    "UBatchSlice",
+    "UBatchWrapper",
+    "current_ubatch_id",
     "get_forward_context",
     "override_forward_context",
     "set_forward_context",
+    "split_batch",
+    "yield_ubatch",
 ]
