@@ -14,6 +14,13 @@ blocks are freed and its prompt plus the tokens generated so far are prefilled a
 When nothing at all could be scheduled, the most recently arrived block holder is preempted the
 same way, so the earliest request always makes progress.
 
+Speculative decoding (``draft_model`` and ``num_speculative_tokens`` k): each decoding request
+is scheduled with room for k more tokens, a ``DraftModel`` proposes them, and the target
+verifies all k + 1 positions in the one step (prefill chunks may share it); greedy acceptance
+keeps the output exactly the target's own greedy decoding. Near its ``max_new_tokens`` (or
+the step's token budget) a request drafts fewer. Ubatched verification splits on request
+boundaries, so every request's k + 1 tokens stay in one ubatch.
+
 Data parallelism (``dp_group``): every rank has its own runner and schedules its own requests;
 every step every rank, idle ones too, agrees with the others through
 ``coordinate_batch_across_dp`` on whether to split into ubatches, the graph mode (the lowest any
@@ -43,6 +50,7 @@ from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
+from ubatch.spec import DraftModel, DraftRequest, SpecStats, accept_greedy
 from ubatch.wrapper import UBatchWrapper
 
 logger = logging.getLogger(__name__)
@@ -80,16 +88,29 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start``, scheduled this step."""
+    """``num_tokens`` tokens of ``request`` starting at position ``start``, scheduled this step,
+    then (speculative decoding) the ``draft_token_ids`` proposed for them; the scheduler reserved
+    KV room for ``num_drafts`` of those."""
 
     request: Request
     start: int
     num_tokens: int
+    num_drafts: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def reaches_end(self) -> bool:
         """The chunk ends at the request's last token, so the step samples a new one."""
         return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def query_len(self) -> int:
+        """Tokens the chunk puts in the batch, drafts included."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.request.token_ids[self.start:self.start + self.num_tokens] + list(self.draft_token_ids)
 
 
 @dataclass
@@ -106,13 +127,18 @@ class BatchInputs:
 
 @dataclass
 class StepOutput:
-    """Tokens sampled this step (request id -> token), the requests that finished (request id ->
-    all generated tokens) and the token count every DP rank ran (padding included; all zero when
-    no rank had work, which is how ``generate`` knows every rank is done)."""
+    """Tokens sampled this step (request id -> the last token; ``new_token_ids``: every token
+    appended, more than one after accepted drafts), the requests that finished (request id ->
+    all generated tokens), the token count every DP rank ran (padding included; all zero when
+    no rank had work, which is how ``generate`` knows every rank is done) and this step's
+    proposed and accepted draft tokens."""
 
     new_tokens: dict[int, int] = field(default_factory=dict)
     finished: dict[int, list[int]] = field(default_factory=dict)
     num_tokens_across_dp: list[int] = field(default_factory=list)
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class ModelRunner:
@@ -122,6 +148,8 @@ class ModelRunner:
     can split (1: never split). ``dp_group`` makes this runner one data-parallel rank of that
     group (see the module docstring); ``timeout_s`` bounds the per-step vote and every wait
     inside a ubatch, so a peer that fails or hangs surfaces as an error, not a hang.
+    ``draft_model`` with ``num_speculative_tokens`` turns on speculative decoding (eager, one
+    rank); ``spec_stats`` counts proposed and accepted drafts.
     """
 
     def __init__(
@@ -139,6 +167,8 @@ class ModelRunner:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cudagraph_capture_sizes: Sequence[int] | None = None,
         max_model_len: int | None = None,
+        draft_model: Decoder | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -167,6 +197,33 @@ class ModelRunner:
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
         self.graphs = self._make_graphs(cudagraph_capture_sizes)
+        self.drafter = self._make_drafter(draft_model, num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens or 0
+        self.spec_stats = SpecStats()
+
+    def _make_drafter(self, draft_model: Decoder | None, k: int | None) -> DraftModel | None:
+        """The drafter, after checking it can serve this runner's target."""
+        if draft_model is None and k is None:
+            return None
+        if draft_model is None or k is None:
+            raise ValueError(
+                f"speculative decoding needs both draft_model and num_speculative_tokens, got "
+                f"draft_model={'None' if draft_model is None else type(draft_model).__name__}, "
+                f"num_speculative_tokens={k!r}"
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if draft_model.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size={draft_model.config.vocab_size} differs from the "
+                f"target's vocab_size={self.config.vocab_size}: they must share a vocabulary"
+            )
+        if draft_model.device != self.device:
+            raise ValueError(f"the draft model is on {draft_model.device}, the runner on {self.device}")
+        if self.graphs is not None or self._dp_group is not None:
+            raise ValueError("speculative decoding runs eager on one rank: it does not support "
+                             "cudagraph_capture_sizes or dp_group yet")
+        return DraftModel(draft_model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size)
 
     def _make_graphs(self, capture_sizes: Sequence[int] | None) -> GraphedModel | None:
         """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest; captured
@@ -264,8 +321,8 @@ class ModelRunner:
             raise
 
     def _step(self) -> StepOutput:
-        chunks = self.schedule()
-        query_lens = [c.num_tokens for c in chunks]
+        chunks = self.propose_drafts(self.schedule())
+        query_lens = [c.query_len for c in chunks]
         graph = self._propose_graph(query_lens)
         decision = self.decide(sum(query_lens), num_tokens_padded=graph.num_tokens if graph else None,
                                cudagraph_mode=graph.cg_mode if graph else CUDAGraphMode.NONE)
@@ -281,7 +338,7 @@ class ModelRunner:
             hidden = self.graphs.replay(graph, batch.input_ids, batch.positions,
                                         batch.attn_metadata[self.model.layer_names[0]])
         else:
-            slices = split_batch(query_lens, num_ubatches, num_tokens) if num_ubatches > 1 else None
+            slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 else None
             hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
                                         slot_mapping=batch.slot_mapping, num_tokens=num_tokens,
                                         num_tokens_across_dp=across if self._dp_group is not None else None,
@@ -291,6 +348,27 @@ class ModelRunner:
         out = self.update(chunks, tokens)
         out.num_tokens_across_dp = across
         return out
+
+    def _split(self, chunks: list[Chunk], num_ubatches: int, num_tokens: int) -> list[UBatchSlice]:
+        """Token-balanced ubatches; request-aligned when the step verifies drafts (and has a
+        request per ubatch), so each request's k + 1 tokens stay together."""
+        query_lens = [c.query_len for c in chunks]
+        aligned = any(c.draft_token_ids for c in chunks) and len(chunks) >= num_ubatches
+        return split_batch(query_lens, num_ubatches, num_tokens, align_to_requests=aligned)
+
+    def propose_drafts(self, chunks: list[Chunk], *, skip_attention: bool = False) -> list[Chunk]:
+        """The chunks with the drafter's proposals filled in where the scheduler made room
+        (``skip_attention`` goes down to every drafter forward)."""
+        wanted = [c for c in chunks if c.num_drafts]
+        if not wanted:
+            return chunks
+        proposals = self.drafter.propose([
+            DraftRequest(c.request.request_id, c.request.token_ids, c.request.blocks, c.num_drafts)
+            for c in wanted
+        ], skip_attention=skip_attention)
+        by_request = {c.request.request_id: tuple(d) for c, d in zip(wanted, proposals)}
+        return [dataclasses.replace(c, draft_token_ids=by_request[c.request.request_id]) if c.num_drafts else c
+                for c in chunks]
 
     def _propose_graph(self, query_lens: list[int]) -> BatchExecutionDescriptor | None:
         """The graph this rank would replay for its batch alone (its size and mode go to the vote)."""
@@ -364,11 +442,12 @@ class ModelRunner:
             if not budget or not seats:
                 break
             # An earlier decode may have preempted this request; then it prefills again.
-            if not request.is_decoding or not self._make_room_for_decode(request, scheduled):
+            num_drafts = self._num_drafts(request, budget)
+            if not request.is_decoding or not self._make_room_for_decode(request, scheduled, 1 + num_drafts):
                 continue
-            chunks.append(self._take(request, 1))
+            chunks.append(self._take(request, 1, num_drafts))
             scheduled.add(request.request_id)
-            budget, seats = budget - 1, seats - 1
+            budget, seats = budget - 1 - num_drafts, seats - 1
         for request in self._active:
             if request.is_decoding or request.request_id in scheduled:
                 continue
@@ -382,20 +461,27 @@ class ModelRunner:
             budget, seats = budget - n, seats - 1
         return chunks
 
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts to verify for a decoding request: k, fewer near its token limit or the end of
+        the step's budget (every accepted draft is an output token)."""
+        remaining = request.max_new_tokens - (request.num_tokens - request.num_prompt_tokens)
+        return max(0, min(self.num_speculative_tokens, remaining - 1, budget - 1))
+
     def _blocks_short(self, request: Request, num_new: int) -> int:
         return math.ceil((request.num_computed + num_new) / self.block_size) - len(request.blocks)
 
-    def _take(self, request: Request, num_new: int) -> Chunk:
-        """Allocate the blocks ``num_new`` more tokens need (they are known to be free)."""
-        short = self._blocks_short(request, num_new)
+    def _take(self, request: Request, num_new: int, num_drafts: int = 0) -> Chunk:
+        """Allocate the blocks ``num_new`` more tokens and ``num_drafts`` drafts need (they are
+        known to be free)."""
+        short = self._blocks_short(request, num_new + num_drafts)
         if short > 0:
             request.blocks += self.block_pool.allocate(short)
-        return Chunk(request, request.num_computed, num_new)
+        return Chunk(request, request.num_computed, num_new, num_drafts)
 
-    def _make_room_for_decode(self, request: Request, protected: set[int]) -> bool:
-        """Preempt later requests until ``request`` can grow by one token; False if it was
-        itself preempted (or nothing could be)."""
-        while self._blocks_short(request, 1) > self.block_pool.num_free:
+    def _make_room_for_decode(self, request: Request, protected: set[int], num_new: int) -> bool:
+        """Preempt later requests until ``request`` can grow by ``num_new`` tokens; False if it
+        was itself preempted (or nothing could be)."""
+        while self._blocks_short(request, num_new) > self.block_pool.num_free:
             victim = self._latest_block_holder(protected)
             if victim is None:
                 return False
@@ -413,9 +499,15 @@ class ModelRunner:
     def _preempt(self, request: Request) -> None:
         logger.info("KV cache full: preempting request %d (%d tokens) for recompute",
                     request.request_id, request.num_tokens)
+        self._release(request)
+        request.num_computed = 0
+
+    def _release(self, request: Request) -> None:
+        """Free a request's blocks, in both caches (the drafter's state in them goes too)."""
         self.block_pool.free(request.blocks)
         request.blocks = []
-        request.num_computed = 0
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
 
     # ----- inputs, model call, sampling -----------------------------------------------------
 
@@ -431,12 +523,12 @@ class ModelRunner:
         width = max((len(c.request.blocks) for c in chunks), default=0)
         table = [c.request.blocks + [0] * (width - len(c.request.blocks)) for c in chunks]
         for chunk in chunks:
-            request, stop = chunk.request, chunk.start + chunk.num_tokens
-            input_ids += request.token_ids[chunk.start:stop]
+            request, stop = chunk.request, chunk.start + chunk.query_len
+            input_ids += chunk.input_ids
             positions += range(chunk.start, stop)
             slots += (request.blocks[p // bs] * bs + p % bs for p in range(chunk.start, stop))
-            if chunk.reaches_end:
-                logits_indices.append(len(input_ids) - 1)
+            if chunk.reaches_end:  # the last real token, then every draft
+                logits_indices += range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids))
         pad = (len(input_ids) if num_tokens_padded is None else num_tokens_padded) - len(input_ids)
         if pad < 0:
             raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {len(input_ids)} scheduled tokens")
@@ -445,8 +537,8 @@ class ModelRunner:
         slots += [-1] * pad
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
         metadata = build_attention_metadata(
-            [c.num_tokens for c in chunks],
-            [c.start + c.num_tokens for c in chunks],
+            [c.query_len for c in chunks],
+            [c.start + c.query_len for c in chunks],
             torch.tensor(table, dtype=torch.int32).view(len(chunks), width),
             slot_mapping,
             device=self.device,
@@ -511,7 +603,8 @@ class ModelRunner:
     # ----- update ---------------------------------------------------------------------------
 
     def update(self, chunks: list[Chunk], tokens: list[int]) -> StepOutput:
-        """Advance computed counts, append sampled tokens, release finished requests."""
+        """Advance computed counts, append sampled (and accepted draft) tokens, release finished
+        requests. Rejected drafts are rolled back by not counting them as computed."""
         out = StepOutput()
         sampled = iter(tokens)
         for chunk in chunks:
@@ -519,15 +612,26 @@ class ModelRunner:
             reaches_end = chunk.reaches_end
             request.num_computed = chunk.start + chunk.num_tokens
             if reaches_end:
-                token = next(sampled)
-                request.token_ids.append(token)
-                out.new_tokens[request.request_id] = token
+                self._append(request, chunk.draft_token_ids,
+                             [next(sampled) for _ in range(1 + len(chunk.draft_token_ids))], out)
             if request.is_finished:
-                self.block_pool.free(request.blocks)
-                request.blocks = []
+                self._release(request)
                 self._active.remove(request)
                 out.finished[request.request_id] = request.output
         return out
+
+    def _append(self, request: Request, drafts: tuple[int, ...], target_tokens: list[int], out: StepOutput) -> None:
+        """Greedy acceptance: the accepted drafts are now computed, in both caches."""
+        new = accept_greedy(drafts, target_tokens)
+        request.token_ids += new
+        request.num_computed += len(new) - 1
+        out.new_tokens[request.request_id] = new[-1]
+        out.new_token_ids[request.request_id] = new
+        if drafts:
+            self.drafter.rollback(request.request_id, request.num_computed)
+            self.spec_stats.record(len(drafts), len(new) - 1)
+            out.num_draft_tokens += len(drafts)
+            out.num_accepted_tokens += len(new) - 1
 
 
 def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, block_size: int = 16) -> torch.Tensor:

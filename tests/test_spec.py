@@ -1,0 +1,219 @@
+"""Speculative decoding (eager, CPU): greedy output equals plain greedy decoding token for token
+(dense and MoE, k = 1..4, partial and full acceptance, with and without ubatched verification,
+chunked prefill, mixed steps, KV pressure); skip_attention reaches every drafter forward; bad
+input is rejected."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ubatch.attention import TorchBackend
+from ubatch.context import get_forward_context
+from ubatch.models import ModelConfig, build_model
+from ubatch.runner import ModelRunner
+from ubatch.spec import DraftModel, DraftRequest, accept_greedy
+
+PROMPT_LENGTHS = (3, 17, 40, 9, 1)
+MAX_NEW_TOKENS = 10
+RUNNER_ARGS = dict(device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
+
+
+def prompts_for(config: ModelConfig) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def target(request):
+    """The target model, its prompts and its plain greedy outputs."""
+    config = ModelConfig.preset(request.param)
+    model = build_model(config, device="cpu")
+    prompts = prompts_for(config)
+    reference = ModelRunner(model, config, **RUNNER_ARGS).generate(prompts, MAX_NEW_TOKENS)
+    return config, model, prompts, reference
+
+
+def spec_runner(config, model, draft, k, **overrides) -> ModelRunner:
+    return ModelRunner(model, config, **{**RUNNER_ARGS, **overrides}, draft_model=draft, num_speculative_tokens=k)
+
+
+def record_steps(runner: ModelRunner) -> list[list[tuple[bool, int]]]:
+    """Keep (is a prefill chunk, number of drafts) of every chunk of every step."""
+    steps: list[list[tuple[bool, int]]] = []
+    propose = runner.propose_drafts
+
+    def recording(chunks):
+        chunks = propose(chunks)
+        steps.append([(not c.request.is_decoding, len(c.draft_token_ids)) for c in chunks])
+        return chunks
+
+    runner.propose_drafts = recording
+    return steps
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_truncated_drafter_matches_plain_greedy(target, k, num_ubatches):
+    config, model, prompts, reference = target
+    draft = build_model(config.replace(num_layers=1), device="cpu")  # same seed: the first layer
+    runner = spec_runner(config, model, draft, k, num_ubatches=num_ubatches)
+    steps = record_steps(runner)
+    assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
+    assert 0.0 < runner.spec_stats.acceptance_rate < 1.0
+    assert any(n == k for step in steps for _, n in step)
+    assert any(any(p for p, _ in step) and any(n for _, n in step) for step in steps), "no mixed step"
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_self_drafter_accepts_everything(target, k, num_ubatches):
+    config, model, prompts, reference = target
+    runner = spec_runner(config, model, model, k, num_ubatches=num_ubatches)  # the target object itself
+    assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
+    assert runner.spec_stats.num_draft_tokens > 0
+    assert runner.spec_stats.acceptance_rate == 1.0
+
+
+def test_step_output_reports_tokens_and_acceptance(target):
+    config, model, prompts, reference = target
+    runner = spec_runner(config, model, model, 3)
+    ids = [runner.add_request(p, MAX_NEW_TOKENS) for p in prompts]
+    generated = {i: [] for i in ids}
+    drafts = accepted = 0
+    while runner.has_unfinished_requests():
+        out = runner.step()
+        for i, tokens in out.new_token_ids.items():
+            assert out.new_tokens[i] == tokens[-1]
+            generated[i] += tokens
+        drafts, accepted = drafts + out.num_draft_tokens, accepted + out.num_accepted_tokens
+    assert [generated[i] for i in ids] == reference
+    assert (drafts, accepted) == (runner.spec_stats.num_draft_tokens, runner.spec_stats.num_accepted_tokens)
+    assert max(len(t) for t in generated.values()) == MAX_NEW_TOKENS
+
+
+def test_ubatched_verification_splits_on_request_boundaries(target):
+    config, model, prompts, reference = target
+    draft = build_model(config.replace(num_layers=1), device="cpu")
+    runner = spec_runner(config, model, draft, 3, num_ubatches=2, max_num_batched_tokens=64)
+    splits = []
+    split = runner._split
+
+    def recording(chunks, num_ubatches, num_tokens):
+        slices = split(chunks, num_ubatches, num_tokens)
+        splits.append(([c.query_len for c in chunks], slices))
+        return slices
+
+    runner._split = recording
+    assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
+    decode_splits = [(lens, s) for lens, s in splits if len(set(lens)) == 1 and lens[0] == 4 and len(lens) >= 2]
+    assert decode_splits, "no pure-decode verification step was ubatched"
+    for lens, slices in decode_splits:
+        assert len(slices) == 2
+        for s in slices:  # every ubatch uniform: k + 1 tokens per request
+            assert s.num_tokens == 4 * s.num_reqs
+
+
+def test_kv_pressure_preempts_and_keeps_outputs(target, caplog):
+    config, model, prompts, reference = target
+    draft = build_model(config.replace(num_layers=1), device="cpu")
+    runner = spec_runner(config, model, draft, 4, num_kv_blocks=14, max_num_batched_tokens=32)
+    with caplog.at_level(logging.INFO, logger="ubatch.runner"):
+        assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
+    assert "preempting" in caplog.text
+    assert runner.block_pool.num_free == 14
+
+
+class SpyBackend(TorchBackend):
+    """The torch backend, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, q, kv_cache, metadata, scale):
+        self.calls += 1
+        return super().forward(q, kv_cache, metadata, scale)
+
+
+@pytest.mark.parametrize("skip_attention", [True, False])
+def test_skip_attention_reaches_every_drafter_forward(skip_attention):
+    config = ModelConfig.preset("tiny")
+    spy = SpyBackend()
+    draft = build_model(config, device="cpu", attn_backend=spy)
+    seen = []
+    for layer in draft.attention_layers.values():
+        layer.register_forward_pre_hook(lambda *_: seen.append(get_forward_context().skip_attention))
+    drafter = DraftModel(draft, num_kv_blocks=8, block_size=4)
+    requests = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1, 2], 3), DraftRequest(1, [7, 8], [3, 4], 2)]
+    drafts = drafter.propose(requests, skip_attention=skip_attention)
+    assert [len(d) for d in drafts] == [3, 2]
+    forwards = 3  # prepare (catch-up + first draft), then two draft steps
+    assert seen == [skip_attention] * (forwards * config.num_layers)
+    assert spy.calls == (0 if skip_attention else forwards * config.num_layers)
+    assert drafter.num_computed(0) == 7 and drafter.num_computed(1) == 3
+
+
+def test_drafter_rollback_and_forget():
+    config = ModelConfig.preset("tiny")
+    drafter = DraftModel(build_model(config, device="cpu"), num_kv_blocks=4, block_size=4)
+    drafter.propose([DraftRequest(5, [1, 2, 3], [0, 1], 3)])
+    assert drafter.num_computed(5) == 5
+    drafter.rollback(5, 4)
+    assert drafter.num_computed(5) == 4
+    drafter.rollback(5, 9)  # never advances
+    assert drafter.num_computed(5) == 4
+    drafter.forget(5)
+    assert drafter.num_computed(5) == 0
+
+
+def test_accept_greedy():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, bonus token
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the target's token at the mismatch
+    assert accept_greedy([5], [4, 1]) == [4]
+    assert accept_greedy([], [3]) == [3]
+    with pytest.raises(ValueError, match="one more target token than drafts"):
+        accept_greedy([1, 2], [1, 2])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1, got 0"),
+    (dict(num_speculative_tokens=-2), "got -2"),
+    (dict(num_speculative_tokens=True), "got True"),
+    (dict(num_speculative_tokens=2.0), "got 2.0"),
+    (dict(num_speculative_tokens=None), "needs both draft_model and num_speculative_tokens"),
+])
+def test_bad_speculative_arguments(kwargs, match):
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        ModelRunner(model, config, **RUNNER_ARGS, draft_model=model, **kwargs)
+
+
+def test_k_without_draft_model_and_vocab_mismatch_are_rejected():
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    with pytest.raises(ValueError, match="draft_model=None, num_speculative_tokens=2"):
+        ModelRunner(model, config, **RUNNER_ARGS, num_speculative_tokens=2)
+    draft = build_model(config.replace(vocab_size=64), device="cpu")
+    with pytest.raises(ValueError, match="vocab_size=64 differs from the target's vocab_size=128"):
+        ModelRunner(model, config, **RUNNER_ARGS, draft_model=draft, num_speculative_tokens=2)
+
+
+def test_drafter_rejects_zero_drafts():
+    drafter = DraftModel(build_model(ModelConfig.preset("tiny"), device="cpu"), num_kv_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="request 3: num_drafts must be >= 1, got 0"):
+        drafter.propose([DraftRequest(3, [1, 2], [0], 0)])
+
+
+def test_runner_passes_skip_attention_to_the_drafter():
+    config = ModelConfig.preset("tiny")
+    spy = SpyBackend()
+    draft = build_model(config, device="cpu", attn_backend=spy)
+    runner = spec_runner(config, build_model(config, device="cpu"), draft, 2)
+    runner.add_request([1, 2, 3], 5)
+    runner.step()  # the prefill: nothing to draft yet
+    chunks = runner.propose_drafts(runner.schedule(), skip_attention=True)
+    assert [len(c.draft_token_ids) for c in chunks] == [2]
+    assert spy.calls == 0

@@ -1,0 +1,179 @@
+"""Speculative decoding: a draft model that proposes tokens, and greedy acceptance.
+
+The drafter is a small decoder of the target's family (same vocabulary) with its own paged KV
+cache. Its cache is indexed by the target's block ids (same block count and size), so a request's
+block table addresses both caches and the drafter needs no allocator of its own. Rolling back a
+rejected token, in either cache, is only a matter of not counting it as computed: the slot of a
+position is fixed by the block table, so the next step that runs that position overwrites the
+stale KV before any attention reads it (keys past a request's context length are never read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ubatch.attention import PagedKVCache, build_attention_metadata
+from ubatch.context import set_forward_context
+from ubatch.models import Decoder
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request to draft for: its tokens so far (the last one not yet in the target's KV),
+    its block ids (room for at least ``len(token_ids) + num_drafts - 1`` tokens) and how many
+    tokens to propose."""
+
+    request_id: int
+    token_ids: Sequence[int]
+    blocks: Sequence[int]
+    num_drafts: int
+
+
+@dataclass
+class SpecStats:
+    """Running totals of proposed and accepted draft tokens."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed (0.0 before anything was proposed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
+
+def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
+    """The tokens greedy verification appends: the longest prefix of drafts that equal the
+    target's argmax at the same position, then the target's token at the first mismatch (or its
+    bonus token after all k drafts). ``target_token_ids`` holds k + 1 argmaxes."""
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"need one more target token than drafts, got {len(target_token_ids)} target tokens "
+            f"for {len(draft_token_ids)} drafts"
+        )
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_token_ids[accepted]:
+        accepted += 1
+    return list(target_token_ids[: accepted + 1])
+
+
+class DraftModel:
+    """Proposes tokens with ``model`` autoregressively, keeping its own KV cache.
+
+    ``num_computed(request_id)`` tokens of a request have draft KV. ``propose`` first catches a
+    request up (its prompt after a prefill, or the accepted tokens after a verification) in one
+    forward that also yields the first draft, then runs one forward per further draft.
+    ``rollback`` after verification keeps only KV of tokens the target accepted; ``forget``
+    drops a finished or preempted request. The model may be the target itself: the drafter binds
+    its cache to the layers only around its own forwards.
+    """
+
+    def __init__(self, model: Decoder, *, num_kv_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
+                                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                                     dtype=model.config.dtype, device=model.device)
+        self._computed: dict[int, int] = {}
+
+    def num_computed(self, request_id: int) -> int:
+        return self._computed.get(request_id, 0)
+
+    def rollback(self, request_id: int, num_valid: int) -> None:
+        """Keep draft KV only for the first ``num_valid`` tokens (those the target accepted)."""
+        self._computed[request_id] = min(self.num_computed(request_id), num_valid)
+
+    def forget(self, request_id: int) -> None:
+        """Drop a request's draft state (its blocks are gone or will be reused)."""
+        self._computed.pop(request_id, None)
+
+    def propose(self, requests: Sequence[DraftRequest], *, skip_attention: bool = False) -> list[list[int]]:
+        """``num_drafts`` greedy tokens per request; ``skip_attention`` reaches every forward's
+        context (a graph manager sets it for piecewise warm-up and capture)."""
+        if not requests:
+            return []
+        drafts = self.prepare(requests, skip_attention=skip_attention)
+        for step in range(1, max(r.num_drafts for r in requests)):
+            live = [i for i, r in enumerate(requests) if r.num_drafts > step]
+            tokens = self.draft_step([requests[i] for i in live], [drafts[i][-1] for i in live], step,
+                                     skip_attention=skip_attention)
+            for i, token in zip(live, tokens):
+                drafts[i].append(token)
+        for request in requests:
+            self._computed[request.request_id] = len(request.token_ids) + request.num_drafts - 1
+        return drafts
+
+    def prepare(self, requests: Sequence[DraftRequest], *, skip_attention: bool = False) -> list[list[int]]:
+        """Catch every request up to its last token and return its first draft."""
+        for r in requests:
+            if r.num_drafts < 1:
+                raise ValueError(f"request {r.request_id}: num_drafts must be >= 1, got {r.num_drafts}")
+        starts = [min(self.num_computed(r.request_id), len(r.token_ids) - 1) for r in requests]
+        chunks = [(r, start, list(r.token_ids[start:])) for r, start in zip(requests, starts)]
+        return [[t] for t in self._forward(chunks, skip_attention=skip_attention)]
+
+    def draft_step(self, requests: Sequence[DraftRequest], last_drafts: Sequence[int], step: int, *,
+                   skip_attention: bool = False) -> list[int]:
+        """The next draft of each request once ``step`` drafts exist: feed the last one, one token
+        each, at its position."""
+        chunks = [(r, len(r.token_ids) + step - 1, [t]) for r, t in zip(requests, last_drafts)]
+        return self._forward(chunks, skip_attention=skip_attention)
+
+    def _forward(self, chunks: list[tuple[DraftRequest, int, list[int]]], *,
+                 skip_attention: bool = False) -> list[int]:
+        """Run ``(request, start position, tokens)`` chunks as one batch; argmax at each chunk's
+        last token."""
+        bs, device = self.block_size, self.model.device
+        input_ids, positions, slots, last = [], [], [], []
+        for request, start, tokens in chunks:
+            stop = start + len(tokens)
+            input_ids += tokens
+            positions += range(start, stop)
+            slots += (request.blocks[p // bs] * bs + p % bs for p in range(start, stop))
+            last.append(len(input_ids) - 1)
+        width = max(len(r.blocks) for r, _, _ in chunks)
+        table = torch.tensor([list(r.blocks) + [0] * (width - len(r.blocks)) for r, _, _ in chunks],
+                             dtype=torch.int32)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        metadata = build_attention_metadata([len(t) for _, _, t in chunks], [s + len(t) for _, s, t in chunks],
+                                            table, slot_mapping, device=device)
+        names = self.model.layer_names
+        with torch.inference_mode(), self._bound_cache(), set_forward_context(
+            {name: metadata for name in names},
+            slot_mapping={name: slot_mapping for name in names},
+            no_compile_layers=self.model.attention_layers,
+            skip_attention=skip_attention,
+        ):
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=device),
+                                torch.tensor(positions, dtype=torch.int64, device=device))
+            index = torch.tensor(last, dtype=torch.int64, device=device)
+            tokens = self.model.compute_logits(hidden[index]).argmax(dim=-1).tolist()
+        self._clear_overflow()
+        return tokens
+
+    def _clear_overflow(self) -> None:
+        """MoE tokens the drafter dropped only lower acceptance; clear the counts so a target
+        sharing the model is not charged with them."""
+        for counter in self.model.overflow_counters().values():
+            counter.zero_()
+
+    @contextmanager
+    def _bound_cache(self) -> Iterator[None]:
+        """Point the model's attention layers at the draft cache, restoring what was bound."""
+        layers = self.model.attention_layers
+        previous = {name: layer.kv_cache for name, layer in layers.items()}
+        try:
+            for name, layer in layers.items():
+                layer.kv_cache = self.kv_cache[name]
+            yield
+        finally:
+            for name, layer in layers.items():
+                layer.kv_cache = previous[name]
