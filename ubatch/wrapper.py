@@ -12,11 +12,17 @@ import torch
 
 from ubatch import islands
 from ubatch.attention import AttentionMetadata
-from ubatch.context import DPMetadata, ForwardContext, derive_context, get_forward_context, is_forward_context_available
-from ubatch.context import override_forward_context
+from ubatch.context import (
+    DPMetadata,
+    ForwardContext,
+    derive_context,
+    get_forward_context,
+    is_forward_context_available,
+    override_forward_context,
+)
 from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler
-from ubatch.sm import SMPartition
 from ubatch.slicing import UBatchSlice, check_slices, is_tensor_batched, slices_total, split_attn_metadata
+from ubatch.sm import SMPartition
 
 
 def make_ubatch_contexts(parent: ForwardContext, slices: Sequence[UBatchSlice]) -> list[ForwardContext]:
