@@ -69,6 +69,7 @@ def main() -> None:
                    "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
             with open(args.out, "w") as f:
                 json.dump({"environment": env, "args": vars(args), "results": rows}, f, indent=2)
+    graphed.release()
     if world > 1:
         dist.destroy_process_group()
 

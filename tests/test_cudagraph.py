@@ -32,24 +32,28 @@ class FakeBackend:
     """Runs 'captures' eagerly and logs them; replays only log."""
 
     def __init__(self, fail=()):
-        self.log, self.fail, self.segments = [], set(fail), 0
+        self.log, self.fail, self.created = [], set(fail), []
 
     def capture(self, fn):
         self.log.append("capture")
         out = fn()
         if "full" in self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return FakeGraph(self.log, "full"), out
+        self.created.append(FakeGraph(self.log, "full"))
+        return self.created[-1], out
 
     def begin_segment(self):
-        self.segments += 1
-        return FakeGraph(self.log, f"segment{self.segments}")
+        self.created.append(FakeGraph(self.log, f"segment{len(self.created)}"))
+        return self.created[-1]
 
     def end_segment(self, graph):
         self.log.append(("end", graph.name))
 
     def capture_stream(self):
         return contextlib.nullcontext()
+
+    def release(self, graph):
+        self.log.append(("release", graph.name))
 
     def synchronize(self):
         pass
@@ -225,3 +229,22 @@ def test_breakable_ubatched_piecewise_capture_runs_attention_in_every_ubatch():
     _, graphed = _tiny_graphed(spy, breakable=True, modes=(PIECEWISE,), ubatch_counts=(2,))
     graphed.capture()
     assert spy.calls == 2 * 2 * 2, "warm-up and capture, 2 ubatches, 2 layers"
+
+
+def test_release_frees_every_graph_and_later_steps_run_eagerly():
+    """NCCL's communicator teardown waits for every graph that captured a collective: release()
+    must reach FULL graphs and every segment of (ubatched) piecewise programs."""
+    model, graphed = _tiny_graphed(SpyBackend(), breakable=False, modes=(FULL, PIECEWISE), ubatch_counts=(1, 2))
+    graphed.capture()
+    backend = graphed.manager.backend
+    graphed.release()
+    released = [entry[1] for entry in backend.log if isinstance(entry, tuple) and entry[0] == "release"]
+    assert sorted(released) == sorted(g.name for g in backend.created)
+    assert released.count("full") == 2 and len(released) > 2, "FULL graphs (N=1, 2) and piecewise segments"
+    assert not graphed.manager.graphs and not graphed.static
+    step, _ = make_step(model, [1] * 8, [5] * 8, seed=1)
+    md = step.attn_metadata[model.layer_names[0]]
+    assert graphed.plan(8, 8, 1) is None
+    with torch.inference_mode():
+        torch.testing.assert_close(graphed.run(step.input_ids, step.positions, md),
+                                   graphed.eager(step.input_ids, step.positions, md))

@@ -177,6 +177,7 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
     if graphs:  # lockstep decodes replay FULL graphs (ubatched when allowed); mixed steps PIECEWISE
         assert any(d.cg_mode == CUDAGraphMode.FULL and d.num_ubatches == num_ubatches for d in replayed), replayed
         assert any(d.cg_mode == CUDAGraphMode.PIECEWISE for d in replayed), replayed
+    runner.close()  # else destroy_process_group hangs on the graphs' NCCL references
 
 
 @pytest.mark.parametrize("num_ubatches", [1, 2])
@@ -305,7 +306,8 @@ def test_failed_peer_makes_others_exit_with_clear_error(failure, message):
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "scripts/torchrun_generate.py", "--device", "cpu", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_torchrun_generate_prints_throughput():

@@ -38,3 +38,7 @@ def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatche
     assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
     for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
         assert any(d.cg_mode == mode and d.num_ubatches == num_ubatches for d in replayed), (mode, replayed)
+    runner.close()
+    replayed.clear()
+    assert runner.generate(prompts, 3) == [naive_greedy(model, p, 3) for p in prompts]
+    assert not replayed, "a closed runner runs eagerly"

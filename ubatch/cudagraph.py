@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,9 @@ class CudaGraphBackend:
 
     def capture_stream(self) -> Any:
         return torch.cuda.stream(self.stream)
+
+    def release(self, graph: Any) -> None:
+        graph.reset()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -361,6 +364,19 @@ class CudaGraphManager:
         graph.replay()
         return out
 
+    def release(self) -> None:
+        """Free every graph; later batches run eagerly.
+
+        Call it before ``destroy_process_group``: NCCL's communicator teardown waits until every
+        graph that captured one of its collectives is destroyed, and hangs while one is alive.
+        """
+        self.backend.synchronize()
+        for entry in self.graphs.values():
+            for graph in _graphs_in(entry):
+                self.backend.release(graph)
+        self.graphs.clear()
+        self.enabled = False
+
     def self_check(
         self,
         prepare: Callable[[BatchExecutionDescriptor], None],
@@ -382,6 +398,19 @@ class CudaGraphManager:
                 logger.warning("CUDA graphs disabled: replay of %s differs from eager (%s)", desc, mismatch)
                 return False
         return True
+
+
+def _graphs_in(entry: Any) -> Iterator[Any]:
+    """The backend graphs of a FULL entry ``(graph, output)`` or of a piecewise program."""
+    if not isinstance(entry, PiecewiseProgram):
+        yield entry[0]
+        return
+    for item in entry.items:
+        if isinstance(item, _UbatchBlock):
+            for program in item.programs:
+                yield from _graphs_in(program)
+        elif not isinstance(item, _Island):
+            yield item
 
 
 def _clone(value: Any) -> Any:

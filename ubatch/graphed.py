@@ -85,6 +85,11 @@ class GraphedModel:
         with torch.inference_mode():
             self.manager.capture(self._create_forward_fn, self.descriptors)
 
+    def release(self) -> None:
+        """Free the graphs and their static buffers (see ``CudaGraphManager.release``)."""
+        self.manager.release()
+        self.static.clear()
+
     def plan(self, num_tokens: int, num_reqs: int, uniform_token_count: int | None, *,
              num_ubatches: int = 1, num_tokens_padded: int | None = None,
              max_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> BatchExecutionDescriptor | None:

@@ -242,6 +242,13 @@ class ModelRunner:
             raise ValueError("this runner has no cudagraph_capture_sizes")
         self.graphs.capture()
 
+    def close(self) -> None:
+        """Free the captured graphs; later steps run eagerly. Call it on every rank before
+        ``destroy_process_group``: NCCL's teardown hangs while a graph holding one of its
+        collectives is alive."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def _init_dp(self, dp_group: Any, timeout_s: float) -> None:
         """The DP rank, size and vote group; expert parallelism needs equal token counts."""
         ep_world = max((layer.ep_world for layer in getattr(self.model, "moe_layers", {}).values()), default=1)
