@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from ubatch.attention import TorchBackend
-from ubatch.context import get_forward_context
+from ubatch.context import CUDAGraphMode, get_forward_context
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
 from ubatch.spec import DraftModel, DraftRequest, accept_greedy
 
 PROMPT_LENGTHS = (3, 17, 40, 9, 1)
 MAX_NEW_TOKENS = 10
+FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 RUNNER_ARGS = dict(device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
 
 
@@ -217,3 +218,107 @@ def test_runner_passes_skip_attention_to_the_drafter():
     chunks = runner.propose_drafts(runner.schedule(), skip_attention=True)
     assert [len(c.draft_token_ids) for c in chunks] == [2]
     assert spy.calls == 0
+
+
+# ----- the drafter's graphs (fake graph backend: capture bookkeeping without CUDA) -------------
+
+
+def _drafter_with_fake_graphs(spy):
+    from tests.test_cudagraph import FakeBackend
+
+    draft = build_model(ModelConfig.preset("tiny"), device="cpu", attn_backend=spy)
+    return DraftModel(draft, num_kv_blocks=8, block_size=4, capture_sizes=[4, 8], max_blocks_per_req=4,
+                      graph_backend=FakeBackend())
+
+
+def test_drafter_piecewise_capture_skips_attention_and_full_capture_runs_it():
+    spy = SpyBackend()
+    drafter = _drafter_with_fake_graphs(spy)
+    calls = {}
+    create = drafter.graphs._create_forward_fn
+
+    def counting(desc):
+        forward_fn = create(desc)
+
+        def counted(mode):
+            before = spy.calls
+            out = forward_fn(mode)
+            calls[desc.cg_mode, desc.num_tokens, mode] = spy.calls - before
+            return out
+
+        return counted
+
+    drafter.graphs._create_forward_fn = counting
+    drafter.capture_graphs()
+    layers = drafter.model.config.num_layers
+    for size in (4, 8):  # warm-up (NONE), then the capture pass, of every descriptor
+        assert calls[PIECEWISE, size, NONE] == calls[PIECEWISE, size, PIECEWISE] == 0
+        assert calls[FULL, size, NONE] == calls[FULL, size, FULL] == layers
+    assert all(layer.kv_cache is None for layer in drafter.model.attention_layers.values()), \
+        "the draft cache is bound only around the drafter's own work"
+
+
+def test_drafter_replays_its_graphs_and_never_when_skipping_attention():
+    spy = SpyBackend()
+    drafter = _drafter_with_fake_graphs(spy)
+    drafter.capture_graphs()
+    replayed = []
+    replay = drafter.graphs.replay
+    drafter.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    requests = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1, 2], 3), DraftRequest(1, [7, 8], [3, 4], 3)]
+    spy.calls = 0
+    drafter.propose(requests, skip_attention=True)
+    assert not replayed and spy.calls == 0, "a skip_attention forward runs eagerly and skips attention"
+    drafter.rollback(0, 0)
+    drafter.rollback(1, 0)
+    drafter.propose(requests)
+    assert [(d.cg_mode, d.num_tokens) for d in replayed] == [(PIECEWISE, 8), (FULL, 4), (FULL, 4)], \
+        "catch-up (7 tokens) replays PIECEWISE, each one-token draft step FULL"
+    drafter.release_graphs()
+    assert drafter.graphs.plan(2, 2, 1) is None
+
+
+def test_speculative_graphs_need_cuda_and_dp_needs_a_local_drafter(monkeypatch):
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes needs a CUDA device, got cpu"):
+        spec_runner(config, model, model, 2, cudagraph_capture_sizes=[8])
+    monkeypatch.setattr(ModelRunner, "_init_dp", _fake_dp_init)
+    draft = build_model(config, device="cpu")
+    draft.layers[0].ffn.tp_group = object()  # as if tensor-parallel
+    with pytest.raises(ValueError, match="the draft model must run locally on each rank"):
+        spec_runner(config, model, draft, 2)
+
+
+def _fake_dp_init(runner, dp_group, timeout_s):
+    runner._dp_group, runner.dp_rank, runner.dp_size, runner._pad_to_max, runner._num_steps = object(), 0, 2, False, 0
+
+
+# ----- speculation with data parallelism (gloo, 2 processes) -----------------------------------
+
+
+def dp_spec_body(rank: int, world_size: int, num_ubatches: int) -> None:
+    """DP=2 EP=2 target, a local one-layer drafter per rank: outputs equal one process's plain
+    greedy decoding of every request."""
+    import torch.distributed as dist
+
+    config = ModelConfig.preset("tiny-moe")
+    loads = [(3, 17, 40, 9), (12, 2)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [[torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in lens] for lens in loads]
+    reference = ModelRunner(build_model(config, device="cpu"), config, **RUNNER_ARGS).generate(
+        sum(prompts, []), MAX_NEW_TOKENS)
+    target = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    draft = build_model(config.replace(num_layers=1), device="cpu")
+    runner = ModelRunner(target, config, **RUNNER_ARGS, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
+                         timeout_s=60, draft_model=draft, num_speculative_tokens=3)
+    first = sum(len(p) for p in prompts[:rank])
+    assert runner.generate(prompts[rank], MAX_NEW_TOKENS) == reference[first:first + len(prompts[rank])]
+    assert 0.0 < runner.spec_stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_dp2_speculative_generation_equals_single_process(num_ubatches):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(dp_spec_body, 2, num_ubatches)

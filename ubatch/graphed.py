@@ -61,9 +61,11 @@ class GraphedModel:
                 kwargs["ubatch_slices"] = split_batch([desc.num_tokens], desc.num_ubatches)
         runnable = self._runnable(desc.num_ubatches)
 
+        skip_attention = self.manager.skip_attention_for(desc)
+
         def forward_fn(mode: CUDAGraphMode) -> torch.Tensor:
             with set_forward_context(metadata, no_compile_layers=model.attention_layers,
-                                     cudagraph_runtime_mode=mode, **kwargs):
+                                     cudagraph_runtime_mode=mode, skip_attention=skip_attention, **kwargs):
                 return runnable(static.input_ids, static.positions)
 
         return forward_fn

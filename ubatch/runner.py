@@ -148,8 +148,9 @@ class ModelRunner:
     can split (1: never split). ``dp_group`` makes this runner one data-parallel rank of that
     group (see the module docstring); ``timeout_s`` bounds the per-step vote and every wait
     inside a ubatch, so a peer that fails or hangs surfaces as an error, not a hang.
-    ``draft_model`` with ``num_speculative_tokens`` turns on speculative decoding (eager, one
-    rank); ``spec_stats`` counts proposed and accepted drafts.
+    ``draft_model`` with ``num_speculative_tokens`` turns on speculative decoding (with graphs
+    the drafter captures its own; with ``dp_group`` it must run locally); ``spec_stats`` counts
+    proposed and accepted drafts.
     """
 
     def __init__(
@@ -196,13 +197,15 @@ class ModelRunner:
         self._init_dp(dp_group, timeout_s)
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
-        self.graphs = self._make_graphs(cudagraph_capture_sizes)
-        self.drafter = self._make_drafter(draft_model, num_speculative_tokens)
+        self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
         self.num_speculative_tokens = num_speculative_tokens or 0
         self.spec_stats = SpecStats()
+        self.graphs = self._make_graphs(cudagraph_capture_sizes)
 
-    def _make_drafter(self, draft_model: Decoder | None, k: int | None) -> DraftModel | None:
-        """The drafter, after checking it can serve this runner's target."""
+    def _make_drafter(self, draft_model: Decoder | None, k: int | None,
+                      capture_sizes: Sequence[int] | None) -> DraftModel | None:
+        """The drafter, after checking it can serve this runner's target; it captures graphs
+        of its own at the target's sizes."""
         if draft_model is None and k is None:
             return None
         if draft_model is None or k is None:
@@ -220,34 +223,48 @@ class ModelRunner:
             )
         if draft_model.device != self.device:
             raise ValueError(f"the draft model is on {draft_model.device}, the runner on {self.device}")
-        if self.graphs is not None or self._dp_group is not None:
-            raise ValueError("speculative decoding runs eager on one rank: it does not support "
-                             "cudagraph_capture_sizes or dp_group yet")
-        return DraftModel(draft_model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size)
+        if self._dp_group is not None and not _is_local(draft_model):
+            raise ValueError(
+                "with dp_group the draft model must run locally on each rank (no tp_group or "
+                "ep_group): ranks draft different numbers of steps, so its collectives would not match"
+            )
+        return DraftModel(draft_model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
+                          capture_sizes=capture_sizes if capture_sizes and self.device.type == "cuda" else None,
+                          max_blocks_per_req=self._max_blocks_per_req)
+
+    @property
+    def _max_blocks_per_req(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
 
     def _make_graphs(self, capture_sizes: Sequence[int] | None) -> GraphedModel | None:
         """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest; captured
-        by ``capture_graphs()``."""
+        by ``capture_graphs()``. With speculation a decode step verifies k + 1 tokens per
+        request: FULL graphs are keyed on that spec length, at sizes rounded up to multiples of it."""
         if not capture_sizes:
             return None
         if self.device.type != "cuda":
             raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
-        return GraphedModel(self.model, capture_sizes=capture_sizes,
-                            max_blocks_per_req=math.ceil(self.max_model_len / self.block_size),
-                            ubatch_counts=sorted({1, self.num_ubatches}))
+        per_request = 1 + self.num_speculative_tokens
+        sizes = set(capture_sizes) | {math.ceil(s / per_request) * per_request for s in capture_sizes}
+        return GraphedModel(self.model, capture_sizes=sorted(sizes), max_blocks_per_req=self._max_blocks_per_req,
+                            ubatch_counts=sorted({1, self.num_ubatches}), uniform_token_count=per_request)
 
     def capture_graphs(self) -> None:
         """Capture every graph (on every DP rank, which captures the same collectives)."""
         if self.graphs is None:
             raise ValueError("this runner has no cudagraph_capture_sizes")
         self.graphs.capture()
+        if self.drafter is not None:
+            self.drafter.capture_graphs()
 
     def close(self) -> None:
-        """Free the captured graphs; later steps run eagerly. Call it on every rank before
-        ``destroy_process_group``: NCCL's teardown hangs while a graph holding one of its
-        collectives is alive."""
+        """Free the captured graphs, the target's and the drafter's; later steps run eagerly.
+        Call it on every rank before ``destroy_process_group``: NCCL's teardown hangs while a
+        graph holding one of its collectives is alive."""
         if self.graphs is not None:
             self.graphs.release()
+        if self.drafter is not None:
+            self.drafter.release_graphs()
 
     def _init_dp(self, dp_group: Any, timeout_s: float) -> None:
         """The DP rank, size and vote group; expert parallelism needs equal token counts."""
@@ -676,3 +693,9 @@ def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, blo
 def _uniform(query_lens: list[int]) -> int | None:
     """Tokens per request when every request of the step has the same count, else None."""
     return query_lens[0] if query_lens and len(set(query_lens)) == 1 else None
+
+
+def _is_local(model: Decoder) -> bool:
+    """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
+    return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None
+               for m in model.modules())

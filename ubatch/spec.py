@@ -6,6 +6,11 @@ block table addresses both caches and the drafter needs no allocator of its own.
 rejected token, in either cache, is only a matter of not counting it as computed: the slot of a
 position is fixed by the block table, so the next step that runs that position overwrites the
 stale KV before any attention reads it (keys past a request's context length are never read).
+
+With ``capture_sizes`` the drafter has a graph manager of its own (a ``GraphedModel`` over the
+draft model, captured with the draft cache bound): draft steps, one token per request, replay
+FULL graphs; catch-up forwards, whose lengths vary, replay PIECEWISE ones. Its PIECEWISE warm-up
+and capture skip attention, keyed on the descriptor like the target's.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ubatch.attention import PagedKVCache, build_attention_metadata
 from ubatch.context import set_forward_context
+from ubatch.graphed import GraphedModel, uniform_token_count
 from ubatch.models import Decoder
 
 
@@ -76,13 +83,33 @@ class DraftModel:
     its cache to the layers only around its own forwards.
     """
 
-    def __init__(self, model: Decoder, *, num_kv_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Decoder, *, num_kv_blocks: int, block_size: int,
+                 capture_sizes: Sequence[int] | None = None, max_blocks_per_req: int | None = None,
+                 graph_backend: Any = None) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                                      dtype=model.config.dtype, device=model.device)
         self._computed: dict[int, int] = {}
+        self.graphs: GraphedModel | None = None
+        if capture_sizes:
+            if max_blocks_per_req is None:
+                raise ValueError("a drafter with capture_sizes needs max_blocks_per_req")
+            self.graphs = GraphedModel(model, capture_sizes=capture_sizes, max_blocks_per_req=max_blocks_per_req,
+                                       graph_backend=graph_backend)
+
+    def capture_graphs(self) -> None:
+        """Capture the drafter's graphs (into its own pool), with its cache bound."""
+        if self.graphs is None:
+            raise ValueError("this drafter has no capture_sizes")
+        with self._bound_cache():
+            self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Free the drafter's graphs (see ``CudaGraphManager.release``)."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     def num_computed(self, request_id: int) -> int:
         return self._computed.get(request_id, 0)
@@ -145,19 +172,29 @@ class DraftModel:
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         metadata = build_attention_metadata([len(t) for _, _, t in chunks], [s + len(t) for _, s, t in chunks],
                                             table, slot_mapping, device=device)
-        names = self.model.layer_names
-        with torch.inference_mode(), self._bound_cache(), set_forward_context(
-            {name: metadata for name in names},
-            slot_mapping={name: slot_mapping for name in names},
-            no_compile_layers=self.model.attention_layers,
-            skip_attention=skip_attention,
-        ):
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=device),
-                                torch.tensor(positions, dtype=torch.int64, device=device))
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        with torch.inference_mode(), self._bound_cache():
+            hidden = self._run(ids, pos, metadata, skip_attention=skip_attention)
             index = torch.tensor(last, dtype=torch.int64, device=device)
             tokens = self.model.compute_logits(hidden[index]).argmax(dim=-1).tolist()
         self._clear_overflow()
         return tokens
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *,
+             skip_attention: bool = False) -> torch.Tensor:
+        """The draft model's hidden states: a replayed graph where one fits, else eager. A
+        forward asked to skip attention (a caller's warm-up or capture) never replays."""
+        graph = None
+        if self.graphs is not None and not skip_attention:
+            graph = self.graphs.plan(metadata.num_actual_tokens, metadata.num_reqs, uniform_token_count(metadata))
+        if graph is not None:
+            return self.graphs.replay(graph, input_ids, positions, metadata)
+        names = self.model.layer_names
+        with set_forward_context({name: metadata for name in names},
+                                 slot_mapping={name: metadata.slot_mapping for name in names},
+                                 no_compile_layers=self.model.attention_layers, skip_attention=skip_attention):
+            return self.model(input_ids, positions)
 
     def _clear_overflow(self) -> None:
         """MoE tokens the drafter dropped only lower acceptance; clear the counts so a target
