@@ -1,5 +1,7 @@
 """The split policy: its cost model, calibration and decisions."""
 
+import dataclasses
+
 import pytest
 
 from ubatch.policy import Linear, SplitPolicy, StepCosts, calibrate
@@ -13,11 +15,25 @@ def test_linear_fit_recovers_a_line_and_handles_one_point():
         Linear.fit([], [])
 
 
-def test_prediction_approaches_the_ideal_with_more_ubatches():
+def test_prediction_approaches_the_ideal_with_more_ubatches_and_stages():
     costs = StepCosts(1.0, Linear(0, 1.0))  # C = M: ideal 2x
     unsplit = costs.predict_ms(1000, 1)
     assert unsplit == pytest.approx(2000)
     assert [round(unsplit / costs.predict_ms(1000, n), 3) for n in (2, 4)] == [1.333, 1.6]
+    deep = StepCosts(1.0, Linear(0, 1.0), stages=16)  # fill and drain: one stage of one ubatch
+    assert [round(unsplit / deep.predict_ms(1000, n), 3) for n in (2, 4)] == [1.939, 1.969]
+
+
+def test_stages_and_per_ubatch_overhead_match_the_slow_link_measurement():
+    """The slow-link H200 case (comm-bound, 4096 tokens per rank; measured 145 ms at N=2 and
+    152 ms at N=3): a whole ubatch of fill and drain made N=3 look better; one layer's stage
+    and the per-ubatch overhead predict both within 5 % and pick N=2."""
+    whole = StepCosts(0.02, Linear(1.08, 0.0294), host_ms=19.3, ubatch_host_ms=19.7)
+    assert SplitPolicy(whole, candidates=(2, 3)).decide(4096) == 3
+    costs = dataclasses.replace(whole, stages=16, ubatch_gpu_ms=9.0)
+    assert SplitPolicy(costs, candidates=(2, 3)).decide(4096) == 2
+    assert costs.predict_ms(4096, 2) == pytest.approx(145, rel=0.05)
+    assert costs.predict_ms(4096, 3) == pytest.approx(152, rel=0.05)
 
 
 def test_the_host_floor_keeps_small_batches_whole():
@@ -30,12 +46,18 @@ def test_the_host_floor_keeps_small_batches_whole():
 
 def test_calibration_reads_compute_rate_at_the_largest_size_and_host_at_the_smallest():
     serial = {256: (20.0, 1.0), 2048: (40.0, 8.0)}
-    costs = calibrate(lambda t: serial[t], lambda t, n: 21.0 * n + 10 * (n - 1), [256, 2048])
+    step = {(256, 1): 21.0, (256, 2): 52.0, (2048, 2): 80.0}
+    costs = calibrate(lambda t: serial[t], lambda t, n: step[t, n], [256, 2048], stages=4)
     assert costs.compute_ms_per_token == pytest.approx(40.0 / 2048)
     assert costs.comm_ms(256) == pytest.approx(1.0) and costs.comm_ms(2048) == pytest.approx(8.0)
-    assert (costs.host_ms, costs.ubatch_host_ms) == (21.0, 26.0)
+    assert (costs.host_ms, costs.ubatch_host_ms, costs.stages) == (21.0, 26.0, 4)
+    assert costs.ubatch_gpu_ms == pytest.approx((80.0 - (2 * 20.0 + 4.0 / 4)) / 2)
+    faster = calibrate(lambda t: serial[t], lambda t, n: 1.0, [256, 2048])
+    assert faster.ubatch_gpu_ms == 0.0, "a split faster than the pipeline model costs no overhead"
     with pytest.raises(ValueError, match="at least two sizes"):
         calibrate(lambda t: (1, 1), lambda t, n: 1, [256])
+    with pytest.raises(ValueError, match="stages must be an integer >= 1, got 0"):
+        calibrate(lambda t: serial[t], lambda t, n: 1.0, [256, 2048], stages=0)
 
 
 def test_threshold_fallback_and_validation():

@@ -2,9 +2,11 @@
 
 A cost model calibrated at start-up predicts a step's time for each ubatch count ``N``:
 
-- the GPU: unsplit ``C(t) + M(t)`` (compute, then communication); split, ``N * max(c, m) +
-  min(c, m)`` with ``c = C(t/N)``, ``m = M(t/N)``: the busier resource works N times in a row and
-  the other adds one fill/drain stage;
+- the GPU: unsplit ``C(t) + M(t)`` (compute, then communication). Split, with ``c = C(t/N)``,
+  ``m = M(t/N)`` and ``S`` pipeline stages (the collectives a step runs, e.g. two all-to-alls
+  per MoE layer): ``N * max(c, m) + min(c, m) / S + N * g``. The busier resource works N times
+  in a row, the other adds one stage of fill and drain, and ``g`` is what each ubatch costs the
+  GPU beyond its share (smaller kernels, collective set-up, streams waiting on each other);
 - the host: launching an unsplit step costs ``h``, and each ubatch of a split step ``h_u`` (its
   share of the launches plus the hand-offs), so N ubatches cannot finish before ``N * h_u`` (what
   makes eager splits of small batches lose);
@@ -12,12 +14,15 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
 
 ``C`` is GPU compute per token (measured at the largest calibration size, where the GPU, not the
 host, is the bottleneck), ``M`` is linear in the tokens; ``h`` and ``h_u`` come from the unsplit
-and the two-ubatch step at the smallest size, where the host is the bottleneck. A split must beat unsplit by ``min_gain`` in the model, a margin
-for what it leaves out; without calibration a token threshold decides.
+and the two-ubatch step at the smallest size, where the host is the bottleneck, and ``g`` from the
+two-ubatch step at the largest size: what it took beyond the pipeline's prediction (never below
+zero). A split must beat unsplit by ``min_gain`` in the model, a margin for what it leaves out;
+without calibration a token threshold decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,29 +53,45 @@ class StepCosts:
     comm_ms: Linear
     host_ms: float = 0.0
     ubatch_host_ms: float = 0.0
+    ubatch_gpu_ms: float = 0.0
+    stages: int = 1
 
-    def predict_ms(self, num_tokens: int, num_ubatches: int) -> float:
+    def pipeline_ms(self, num_tokens: int, num_ubatches: int) -> float:
+        """GPU time of a split step without the per-ubatch overhead ``g``."""
         c = self.compute_ms_per_token * num_tokens / num_ubatches
         m = self.comm_ms(num_tokens / num_ubatches)
+        return num_ubatches * max(c, m) + min(c, m) / self.stages
+
+    def predict_ms(self, num_tokens: int, num_ubatches: int) -> float:
         if num_ubatches == 1:
-            return max(c + m, self.host_ms)
-        return max(num_ubatches * max(c, m) + min(c, m), num_ubatches * self.ubatch_host_ms)
+            gpu = self.compute_ms_per_token * num_tokens + self.comm_ms(num_tokens)
+            return max(gpu, self.host_ms)
+        gpu = self.pipeline_ms(num_tokens, num_ubatches) + num_ubatches * self.ubatch_gpu_ms
+        return max(gpu, num_ubatches * self.ubatch_host_ms)
 
 
 def calibrate(
     serial_costs: Callable[[int], tuple[float, float]],
     step_time: Callable[[int, int], float],
     sizes: Sequence[int],
+    *,
+    stages: int = 1,
 ) -> StepCosts:
     """Fit the model: ``serial_costs(t) -> (compute_ms, comm_ms)`` of an unsplit step measured at
     each size (compute and communication apart); ``step_time(t, n)`` of the whole step, unsplit
-    and in two ubatches, at the smallest size."""
+    and in two ubatches at the smallest size, in two at the largest; ``stages`` collectives per
+    step."""
     if len(sizes) < 2:
         raise ValueError(f"calibration needs at least two sizes, got {list(sizes)}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an integer >= 1, got {stages!r}")
     samples = {t: serial_costs(t) for t in sizes}
     largest, smallest = max(sizes), min(sizes)
     comm = Linear.fit(list(samples), [m for _, m in samples.values()])
-    return StepCosts(samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2)
+    costs = StepCosts(samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2,
+                      stages=stages)
+    overhead = (step_time(largest, 2) - costs.pipeline_ms(largest, 2)) / 2
+    return dataclasses.replace(costs, ubatch_gpu_ms=max(0.0, overhead))
 
 
 class SplitPolicy:
