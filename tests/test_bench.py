@@ -1,8 +1,15 @@
-"""ubatch-bench --quick on CPU writes a consistent report and a timeline plot."""
+"""ubatch-bench on CPU: --quick writes a consistent report and a timeline plot; --graphs refuses
+to run without CUDA; the kernel arithmetic behind --graphs' hidden fraction; the auto policy
+picks nothing for graph replays."""
 
 import json
+from argparse import Namespace
 
-from ubatch.bench import main
+import pytest
+import torch
+
+from ubatch.bench import _auto_policy, format_table, main, parse_args
+from ubatch.bench.kernels import Kernel, hidden_kernel_fraction, kernel_costs, kernels_in_trace
 
 
 def test_quick_run_writes_report_and_plot(tmp_path, capsys):
@@ -13,6 +20,7 @@ def test_quick_run_writes_report_and_plot(tmp_path, capsys):
     for r in report["results"]:
         assert abs(r["speedup"] - r["baseline_ms"] / r["ubatched_ms"]) < 1e-2
         assert r["ideal_speedup"] >= 1.0 and r["compute_ms"] > 0
+        assert r["graphs"] is False and r["eager_baseline_ms"] == r["baseline_ms"]
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
 
@@ -27,3 +35,87 @@ def test_mixed_workload_and_chrome_trace(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert spans and all(e["dur"] >= 0 for e in spans)
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} >= {"ubatch 0 compute", "ubatch 1 compute"}
+
+
+def test_graphs_on_cpu_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--graphs", "--device", "cpu", "--workload", "decode"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--graphs" in err and "CUDA" in err and "--device cpu" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_graphs_without_a_gpu_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["--graphs", "--quick"])
+    assert "torch sees none" in capsys.readouterr().err
+
+
+def test_graphs_refuse_the_scheduler_timeline_plot(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--graphs", "--plot", "timeline.png"])
+    assert "--plot" in capsys.readouterr().err
+
+
+def _k(name, start, end):
+    return Kernel(name, start, end)
+
+
+def test_hidden_kernel_fraction_counts_comm_under_the_union_of_compute():
+    kernels = [
+        _k("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 0.0, 10.0),
+        _k("ampere_bf16_gemm", 2.0, 4.0),
+        _k("flash_fwd", 3.0, 6.0),  # overlaps the GEMM: the union [2, 6] counts once
+        _k("silu_kernel", 8.0, 12.0),  # half outside the collective
+        _k("NCCL_AllReduce_RING", 20.0, 30.0),  # case-insensitive; nothing runs beside it
+    ]
+    assert hidden_kernel_fraction(kernels) == pytest.approx((4.0 + 2.0) / 20.0)
+    assert hidden_kernel_fraction(kernels[:4]) == pytest.approx(0.6)
+    assert hidden_kernel_fraction([_k("ncclKernel", 1.0, 2.0), _k("gemm", 0.0, 5.0)]) == pytest.approx(1.0)
+    assert hidden_kernel_fraction([_k("ncclKernel", 1.0, 2.0), _k("gemm", 2.0, 5.0)]) == 0.0
+
+
+def test_kernel_costs_are_busy_time_per_kind():
+    kernels = [_k("gemm", 0.0, 4000.0), _k("flash", 2000.0, 5000.0), _k("ncclKernel", 5000.0, 7000.0),
+               _k("ncclKernel", 6000.0, 9000.0)]
+    assert kernel_costs(kernels) == pytest.approx((5.0, 4.0))
+    assert kernel_costs([]) == (0.0, 0.0)
+
+
+def test_hidden_kernel_fraction_is_none_without_comm_kernels():
+    assert hidden_kernel_fraction([_k("gemm", 0.0, 5.0), _k("elementwise", 5.0, 6.0)]) is None
+    assert hidden_kernel_fraction([]) is None
+
+
+def test_kernels_in_trace_keeps_only_kernel_events():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100.0, "dur": 5.5, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 101.0, "dur": 20.0, "tid": 9},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 90.0, "dur": 1.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 90.0, "dur": 50.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 95.0, "dur": 3.0},
+        {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 100.0},
+        {"ph": "M", "name": "thread_name", "args": {"name": "stream 7"}},
+    ]}
+    assert kernels_in_trace(trace) == [Kernel("gemm", 100.0, 105.5), Kernel("ncclDevKernel_SendRecv", 101.0, 121.0)]
+    assert kernels_in_trace({}) == []
+
+
+def _graph_row(tokens, n, baseline, ubatched):
+    return {"tokens_per_rank": tokens, "num_ubatches": n, "graphs": True, "eager_baseline_ms": 9.0,
+            "baseline_ms": baseline, "ubatched_ms": ubatched, "speedup": baseline / ubatched, "compute_ms": 1.0,
+            "comm_ms": 1.0, "ideal_speedup": 2.0, "efficiency": None, "hidden_comm_fraction": None}
+
+
+def test_auto_policy_picks_nothing_for_graph_replays():
+    results = [_graph_row(64, 2, 1.0, 1.5), _graph_row(256, 2, 3.0, 2.0), _graph_row(256, 3, 3.0, 2.5)]
+
+    def measure_at(*_):
+        raise AssertionError("graph rows need no calibration")
+
+    auto = _auto_policy(Namespace(graphs=True, tokens=[64, 256]), results, measure_at, stages=4)
+    assert [(p["tokens_per_rank"], p["best"], p["best_ms"]) for p in auto["points"]] == [(64, 1, 1.0), (256, 2, 2.0)]
+    assert all(p["choice"] is None and p["auto_ms"] is None and p["auto_vs_best"] is None and "graph" in p["note"]
+               for p in auto["points"])
+    assert "eager ms" in format_table(results).splitlines()[0]

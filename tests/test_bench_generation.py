@@ -1,8 +1,11 @@
 """The generation benchmark on CPU: rows for plain and speculative decoding with both drafters,
 acceptance where it is known (self: 1.0), outputs equal to plain greedy decoding in float32."""
 
+import json
+
 import pytest
 
+from ubatch.bench import main
 from ubatch.bench.generation import GenerationShape, generation_sweep, make_drafter
 from ubatch.models import ModelConfig, build_model
 
@@ -24,3 +27,18 @@ def test_unknown_drafter_is_named():
     config = ModelConfig.preset("tiny")
     with pytest.raises(ValueError, match="unknown drafter 'big'; known: self, truncated"):
         make_drafter("big", build_model(config, device="cpu"), config)
+
+
+def test_cli_generate_workload_writes_a_report(tmp_path, capsys):
+    out = tmp_path / "gen.json"
+    main(["--device", "cpu", "--workload", "generate", "--model", "dense", "--requests", "2", "--prompt-len", "4",
+          "--max-new-tokens", "3", "--spec-k", "2", "--drafter", "self", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["drafter"], r["spec_k"], r["acceptance_rate"]) for r in rows] == [(None, 0, None), ("self", 2, 1.0)]
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_cli_rejects_an_unknown_drafter(capsys):
+    with pytest.raises(SystemExit):
+        main(["--workload", "generate", "--drafter", "self,huge"])
+    assert "expected drafters among self, truncated, got 'self,huge'" in capsys.readouterr().err

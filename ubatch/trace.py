@@ -73,6 +73,11 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+def busy_ms(intervals: list[Interval], kind: str) -> float:
+    """How long at least one interval of ``kind`` was running (overlaps counted once)."""
+    return sum(end - start for start, end in _union([(i.start_ms, i.end_ms) for i in intervals if i.kind == kind]))
+
+
 def hidden_comm_fraction(intervals: list[Interval]) -> float | None:
     """The share of communication time during which another ubatch was computing."""
     comm = [i for i in intervals if i.kind == "comm"]

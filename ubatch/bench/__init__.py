@@ -2,7 +2,9 @@
 
 Runs single-process or under torchrun (``torchrun --nproc-per-node 2 -m ubatch.bench``): the MoE
 model is then expert-parallel over all ranks (each rank its own tokens), the dense model
-tensor-parallel (the same tokens). NCCL on CUDA, gloo on CPU.
+tensor-parallel (the same tokens). NCCL on CUDA, gloo on CPU. With ``--graphs`` (CUDA only) the
+step times are CUDA graph replays (see ``ubatch.bench.graphs``). ``--workload generate`` times
+whole greedy generations instead, plain and speculative (see ``ubatch.bench.generation``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ubatch.bench.measure import measure
+from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for, format_generation_table, generation_sweep
+from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
+from ubatch.bench.measure import Measurement, measure
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
@@ -27,6 +31,9 @@ from ubatch.policy import SplitPolicy, calibrate
 from ubatch.sm import MODES, SMPartition
 
 logger = logging.getLogger("ubatch.bench")
+
+GRAPH_POLICY_NOTE = ("the split policy models eager steps (a host launch cost per ubatch, calibrated eagerly); "
+                     "it does not predict graph replays, so it picks nothing here")
 
 
 def _int_list(text: str) -> list[int]:
@@ -39,18 +46,35 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _drafter_list(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    unknown = [v for v in values if v not in DRAFTERS]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"expected drafters among {', '.join(DRAFTERS)}, got {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ubatch-bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["moe", "dense"], default="moe")
     p.add_argument("--preset", help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)")
     p.add_argument("--layers", type=int, help="override the preset's number of layers")
-    p.add_argument("--workload", choices=["prefill", "decode", "mixed"], default="prefill",
-                   help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks")
+    p.add_argument("--workload", choices=["prefill", "decode", "mixed", "generate"], default="prefill",
+                   help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks; "
+                        "generate: tokens/s of whole generations, plain and speculative (one process)")
     p.add_argument("--tokens", type=_int_list, default=[512], help="tokens per rank per step, e.g. 256,1024")
     p.add_argument("--prompt-len", type=int, default=128, help="prefill: tokens per request")
     p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
-    p.add_argument("--num-ubatches", type=_int_list, default=[2], help="ubatch counts to try, e.g. 2,3,4")
+    p.add_argument("--num-ubatches", type=_int_list, help="ubatch counts to try, e.g. 2,3,4 (default 2; "
+                   "generate: 1, and only the first count is used)")
+    p.add_argument("--requests", type=int, default=32, help="generate: requests per generation")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="generate: tokens generated per request")
+    p.add_argument("--spec-k", type=_int_list, default=[2, 4], help="generate: speculative tokens per step to try")
+    p.add_argument("--drafter", type=_drafter_list, default=list(DRAFTERS),
+                   help=f"generate: drafters to try ({', '.join(DRAFTERS)})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--graphs", action="store_true",
+                   help="time steps replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise); needs CUDA")
     p.add_argument("--sm-partition", choices=MODES, default="none",
                    help="how ubatch compute and communication share the SMs (see ubatch.sm)")
     p.add_argument("--comm-sms", type=int, help="SMs for communication (default: ubatch.sm's)")
@@ -63,11 +87,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write a timeline PNG of the first configuration's ubatched step here")
-    p.add_argument("--chrome-trace", help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto)")
+    p.add_argument("--chrome-trace", help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto); "
+                   "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step")
     p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
     args = p.parse_args(argv)
+    if args.workload == "generate" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--workload generate runs in one process; launch it without torchrun")
+    if args.graphs and args.plot:
+        p.error("--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
+                "--chrome-trace writes the profiled kernels of a replayed ubatched step instead")
+    if args.graphs and (args.device == "cpu" or not torch.cuda.is_available()):
+        p.error("--graphs replays CUDA graphs and needs a CUDA GPU, but "
+                + ("--device cpu was given" if args.device == "cpu" else "torch sees none"))
+    args.num_ubatches = args.num_ubatches or [1 if args.workload == "generate" else 2]
     if args.quick:
-        args.tokens, args.num_ubatches, args.warmup, args.repeats = [256], [2], 1, 3
+        args.tokens, args.num_ubatches, args.warmup, args.repeats = [256], args.num_ubatches[:1], 1, 3
+        args.requests, args.max_new_tokens, args.spec_k = 4, 8, args.spec_k[:1]
     args.calibrate_tokens = args.calibrate_tokens or ([64, 256] if args.quick else [256, 2048])
     return args
 
@@ -123,6 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = ModelConfig.preset(preset, **overrides)
     if (config.kind == "moe") != (args.model == "moe"):
         raise ValueError(f"preset {preset!r} is a {config.kind} model but --model {args.model} was given")
+    if args.workload == "generate":
+        return _generation_report(args, config, build_model(config, device=device), preset)
     group = dist.group.WORLD if world > 1 else None
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
                         tp_group=group if config.kind == "dense" else None)
@@ -131,14 +168,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         partition.setup([group])
     results, first_timeline = [], None
 
-    def measure_at(tokens: int, n: int) -> Any:
+    def measure_at(tokens: int, n: int, chrome_trace: str | None = None) -> Measurement:
         query, context = _shape(args, tokens)
         step, _ = make_step(model, query, context, seed=rank if config.kind == "moe" else 0)
+        if args.graphs:
+            return measure_graphs(model, step, n, mode=GRAPH_MODES[args.workload], warmup=args.warmup,
+                                  repeats=args.repeats, sm_partition=partition, chrome_trace=chrome_trace)
         return measure(model, step, n, warmup=args.warmup, repeats=args.repeats, sm_partition=partition)
 
     configs = [(t, n) for t in args.tokens for n in args.num_ubatches]
     for tokens, n in tqdm(configs, desc="configurations", disable=rank != 0):
-        m = measure_at(tokens, n)
+        profiled_trace = args.chrome_trace if args.graphs and rank == 0 and not results else None
+        m = measure_at(tokens, n, profiled_trace)
         first_timeline = first_timeline or m.timeline
         results.append({
             "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
@@ -147,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         })
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
     if args.policy == "auto":
-        report["auto"] = _auto_policy(args, results, measure_at)
+        report["auto"] = _auto_policy(args, results, measure_at, stages=2 * config.num_layers)
     if rank == 0 and args.chrome_trace and first_timeline:
         write_chrome_trace(first_timeline, args.chrome_trace)
     if rank == 0 and args.plot and first_timeline:
@@ -158,31 +199,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measure_at: Any) -> dict[str, Any]:
+def _generation_report(args: argparse.Namespace, config: ModelConfig, model: Any, preset: str) -> dict[str, Any]:
+    """Plain and speculative generation, eager (and replayed from graphs with ``--graphs``)."""
+    shape = GenerationShape(args.requests, args.prompt_len, args.max_new_tokens)
+    graph_modes = [False, True] if args.graphs else [False]
+    with tqdm(total=len(graph_modes) * (1 + len(args.drafter) * len(args.spec_k)), desc="generations") as bar:
+        rows = generation_sweep(model, config, shape, graph_modes=graph_modes, spec_ks=args.spec_k,
+                                drafters=args.drafter, capture_sizes=capture_sizes_for(shape, max(args.spec_k)),
+                                num_ubatches=args.num_ubatches[0], progress=bar)
+    results = [{"model": preset, "workload": "generate", "num_requests": shape.num_requests,
+                "prompt_len": shape.prompt_len, "max_new_tokens": shape.max_new_tokens, "label": args.label, **row}
+               for row in rows]
+    return {"environment": _environment(model.device, 1), "args": vars(args), "results": results}
+
+
+def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measure_at: Any,
+                 stages: int) -> dict[str, Any]:
     """Calibrate on sizes of their own, then compare the policy's pick with the best measured
-    configuration at every sweep point (all from this run)."""
+    configuration at every sweep point (all from this run); ``stages`` collectives per step
+    (two per layer: dispatch and combine, or two all-reduces). Under ``--graphs`` the policy
+    picks nothing (``GRAPH_POLICY_NOTE``): a null pick beats a wrong one."""
+    if args.graphs:
+        return {"points": [_point(results, tokens, None) for tokens in args.tokens]}
     calibration = {t: measure_at(t, 2) for t in args.calibrate_tokens}
     costs = calibrate(lambda t: (calibration[t].compute_ms, calibration[t].comm_ms),
                       lambda t, n: calibration[t].baseline_ms if n == 1 else calibration[t].ubatched_ms,
-                      args.calibrate_tokens)
+                      args.calibrate_tokens, stages=stages)
     policy = SplitPolicy(costs, candidates=[1, *args.num_ubatches])
-    points = []
-    for tokens in args.tokens:
-        rows = [r for r in results if r["tokens_per_rank"] == tokens]
-        measured = {1: rows[0]["baseline_ms"], **{r["num_ubatches"]: r["ubatched_ms"] for r in rows}}
-        choice = policy.decide(tokens)
-        best = min(measured, key=measured.get)
-        points.append({"tokens_per_rank": tokens, "choice": choice, "auto_ms": measured[choice],
-                       "best": best, "best_ms": measured[best],
-                       "auto_vs_best": round(measured[best] / measured[choice], 4)})
     return {"costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
-                      "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms}, "points": points}
+                      "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms,
+                      "ubatch_gpu_ms": costs.ubatch_gpu_ms, "stages": costs.stages},
+            "points": [_point(results, tokens, policy.decide(tokens)) for tokens in args.tokens]}
+
+
+def _point(results: list[dict[str, Any]], tokens: int, choice: int | None) -> dict[str, Any]:
+    """The policy's ``choice`` (None: no pick) beside the best measured ubatch count at ``tokens``."""
+    rows = [r for r in results if r["tokens_per_rank"] == tokens]
+    measured = {1: rows[0]["baseline_ms"], **{r["num_ubatches"]: r["ubatched_ms"] for r in rows}}
+    best = min(measured, key=measured.get)
+    point = {"tokens_per_rank": tokens, "choice": choice, "best": best, "best_ms": measured[best]}
+    if choice is None:
+        return {**point, "auto_ms": None, "auto_vs_best": None, "note": GRAPH_POLICY_NOTE}
+    return {**point, "auto_ms": measured[choice], "auto_vs_best": round(measured[best] / measured[choice], 4)}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    cols = ["tokens_per_rank", "num_ubatches", "baseline_ms", "ubatched_ms", "speedup", "compute_ms",
-            "comm_ms", "ideal_speedup", "efficiency", "hidden_comm_fraction"]
-    heads = ["tokens", "N", "unsplit ms", "ubatched ms", "speedup", "C ms", "M ms", "ideal", "effic.", "hidden"]
+    graphs = any(r["graphs"] for r in results)
+    cols = ["tokens_per_rank", "num_ubatches", *(["eager_baseline_ms"] if graphs else []), "baseline_ms", "ubatched_ms",
+            "speedup", "compute_ms", "comm_ms", "ideal_speedup", "efficiency", "hidden_comm_fraction"]
+    heads = ["tokens", "N", *(["eager ms", "graph ms", "graph N ms"] if graphs else ["unsplit ms", "ubatched ms"]),
+             "speedup", "C ms", "M ms", "ideal", "effic.", "hidden"]
     rows = [[("-" if r[c] is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])) for c in cols]
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
@@ -191,15 +257,23 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _describe(point: dict[str, Any]) -> str:
+    best = f"best N={point['best']} ({point['best_ms']:.3f} ms)"
+    if point["choice"] is None:
+        return f"auto at {point['tokens_per_rank']} tokens: no pick ({point['note']}); {best}"
+    return (f"auto at {point['tokens_per_rank']} tokens: N={point['choice']} ({point['auto_ms']:.3f} ms), "
+            f"{best}: {point['auto_vs_best']:.3f}x of best")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args = parse_args(argv)
     report = run(args)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(format_table(report["results"]))
+        generate = args.workload == "generate"
+        print((format_generation_table if generate else format_table)(report["results"]))
         for point in report.get("auto", {}).get("points", []):
-            print(f"auto at {point['tokens_per_rank']} tokens: N={point['choice']} ({point['auto_ms']:.3f} ms), "
-                  f"best N={point['best']} ({point['best_ms']:.3f} ms): {point['auto_vs_best']:.3f}x of best")
+            print(_describe(point))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2, default=str)

@@ -38,6 +38,23 @@ class GenerationShape:
                 for _ in range(self.num_requests)]
 
 
+def capture_sizes_for(shape: GenerationShape, max_k: int) -> list[int]:
+    """Powers of two from 8 up to a step that holds every request's k + 1 tokens (and a prompt):
+    also the token budget of a step."""
+    needed = max(shape.num_requests * (1 + max_k), shape.prompt_len, 8)
+    return [2**i for i in range(3, (needed - 1).bit_length() + 1)]
+
+
+def format_generation_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table, acceptance beside every speculative figure."""
+    heads = ["graphs", "drafter", "k", "tokens/s", "speedup", "accept", "differ"]
+    cells = [[str(r["graphs"]), r["drafter"] or "-", str(r["spec_k"]), f"{r['tokens_per_s']:.1f}",
+              f"{r['speedup']:.3f}", "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}",
+              str(r["requests_differing"])] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [heads, *cells])
+
+
 def make_drafter(kind: str, model: Decoder, config: ModelConfig) -> Decoder:
     """A drafter of known acceptance for ``model`` (see the module docstring)."""
     if kind == "self":

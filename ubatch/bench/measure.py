@@ -3,7 +3,8 @@
 Every figure of a result comes from the same process and run. The compute and communication
 times come from a traced single-ubatch run (the same kernels, strictly serial: each collective
 waits for the compute before it and the compute after it waits for the collective), so the ideal
-speedup (C+M)/max(C,M) is measured, not modelled.
+speedup (C+M)/max(C,M) is measured, not modelled. ``ubatch.bench.graphs`` times graph replays of
+the same step and reuses these eager runs for the eager baseline and the serial split.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ubatch.trace import Interval, hidden_comm_fraction
 from ubatch.wrapper import UBatchWrapper
 
 
-def _sync(device: torch.device) -> None:
+def drain(device: torch.device) -> None:
+    """Wait for the device, then for every rank: a timed run starts with nothing in flight."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if dist.is_initialized():
@@ -36,22 +38,27 @@ def median_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
         fn()
     samples = []
     for _ in range(repeats):
-        _sync(device)
+        drain(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        drain(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e3
 
 
 @dataclass
 class Measurement:
+    """One configuration's figures; ``graphs`` says whether the two step times are graph
+    replays (``eager_baseline_ms`` is then the eager unsplit step, else the baseline itself)."""
+
     baseline_ms: float
     ubatched_ms: float
     compute_ms: float
     comm_ms: float
     hidden_comm_fraction: float | None
     timeline: list[Interval]
+    eager_baseline_ms: float
+    graphs: bool = False
 
     @property
     def speedup(self) -> float:
@@ -70,9 +77,11 @@ class Measurement:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "graphs": self.graphs,
             "baseline_ms": round(self.baseline_ms, 4),
             "ubatched_ms": round(self.ubatched_ms, 4),
             "speedup": round(self.speedup, 4),
+            "eager_baseline_ms": round(self.eager_baseline_ms, 4),
             "compute_ms": round(self.compute_ms, 4),
             "comm_ms": round(self.comm_ms, 4),
             "ideal_speedup": round(self.ideal_speedup, 4),
@@ -83,45 +92,57 @@ class Measurement:
         }
 
 
-def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int,
-            sm_partition: Any = None) -> Measurement:
-    """Baseline, ubatched and serial-traced timings of one step shape."""
-    device = model.device
-    wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=device, sm_partition=sm_partition)
-    wrapper.scheduler.prepare()
-    slices = step.slices(num_ubatches)
+class EagerRuns:
+    """The eager runs of one step: unsplit, ubatched, and serial on the ubatch scheduler."""
 
-    def run(slices_: Any, runnable: Callable[[], Any]) -> Any:
+    def __init__(self, model: Any, step: Step, num_ubatches: int, *, sm_partition: Any = None) -> None:
+        self.model, self.step, self.device = model, step, model.device
+        self.wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, sm_partition=sm_partition)
+        self.wrapper.scheduler.prepare()
+        self.slices = step.slices(num_ubatches)
+
+    def _run(self, slices: Any, runnable: Callable[[], Any]) -> Any:
         with torch.inference_mode(), set_forward_context(
-            step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices_,
-            num_tokens=step.num_tokens,
+            self.step.attn_metadata, no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
+            num_tokens=self.step.num_tokens,
         ):
             return runnable()
 
-    def baseline() -> Any:
-        return run(None, lambda: model(step.input_ids, step.positions))
+    def baseline(self) -> Any:
+        return self._run(None, lambda: self.model(self.step.input_ids, self.step.positions))
 
-    def ubatched() -> Any:
-        return run(slices, lambda: wrapper(step.input_ids, step.positions))
+    def ubatched(self) -> Any:
+        return self._run(self.slices, lambda: self.wrapper(self.step.input_ids, self.step.positions))
 
-    def serial() -> Any:
-        return run(None, lambda: wrapper.scheduler.run([lambda: model(step.input_ids, step.positions)]))
+    def serial(self) -> Any:
+        return self._run(None, lambda: self.wrapper.scheduler.run(
+            [lambda: self.model(self.step.input_ids, self.step.positions)]))
 
-    baseline_ms = median_ms(baseline, device, warmup=warmup, repeats=repeats)
-    ubatched_ms = median_ms(ubatched, device, warmup=warmup, repeats=repeats)
-    serial_trace = _traced(wrapper, serial, device)
-    compute_ms = sum(i.duration_ms for i in serial_trace if i.kind == "compute")
-    comm_ms = sum(i.duration_ms for i in serial_trace if i.kind == "comm")
-    timeline = _traced(wrapper, ubatched, device)
-    return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_comm_fraction(timeline), timeline)
+    def serial_costs(self) -> tuple[float, float]:
+        """(compute ms, comm ms) of the traced serial run."""
+        trace = self.traced(self.serial)
+        return (sum(i.duration_ms for i in trace if i.kind == "compute"),
+                sum(i.duration_ms for i in trace if i.kind == "comm"))
 
-
-def _traced(wrapper: UBatchWrapper, fn: Callable[[], Any], device: torch.device) -> list[Interval]:
-    fn()
-    _sync(device)
-    wrapper.scheduler.start_trace()
-    try:
+    def traced(self, fn: Callable[[], Any]) -> list[Interval]:
+        """The scheduler's timeline of one call of ``fn`` (after an untraced call)."""
         fn()
-    finally:
-        trace = wrapper.scheduler.stop_trace()
-    return trace.intervals()
+        drain(self.device)
+        self.wrapper.scheduler.start_trace()
+        try:
+            fn()
+        finally:
+            trace = self.wrapper.scheduler.stop_trace()
+        return trace.intervals()
+
+
+def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int,
+            sm_partition: Any = None) -> Measurement:
+    """Baseline, ubatched and serial-traced timings of one step shape, all eager."""
+    runs = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
+    baseline_ms = median_ms(runs.baseline, runs.device, warmup=warmup, repeats=repeats)
+    ubatched_ms = median_ms(runs.ubatched, runs.device, warmup=warmup, repeats=repeats)
+    compute_ms, comm_ms = runs.serial_costs()
+    timeline = runs.traced(runs.ubatched)
+    return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_comm_fraction(timeline), timeline,
+                       eager_baseline_ms=baseline_ms)

@@ -1,0 +1,75 @@
+"""ubatch-bench --graphs: the unsplit and the ubatched step replayed from CUDA graphs.
+
+Eager decode is bound by the host launching kernels, so what decides whether a split pays is the
+step replayed from graphs. Per configuration (T tokens per rank, N ubatches) a ``GraphedModel``
+captures T tokens unsplit and in N ubatches: FULL graphs for decode (uniform, one token per
+request), PIECEWISE for prefill and mixed steps. Then, for one step:
+
+- ``baseline_ms`` and ``ubatched_ms``: replays of the unsplit and of the N-ubatch graph;
+- ``eager_baseline_ms``: the unsplit step run eagerly, so the graphs' own gain shows;
+- ``compute_ms`` and ``comm_ms`` (and the ideal): how long compute and NCCL kernels were busy
+  in one replay of the unsplit graph, from the kernels torch.profiler records
+  (``ubatch.bench.kernels``). Not the eager trace: where an eager step is host-bound its
+  launch gaps would count as compute;
+- ``hidden_comm_fraction``: from the kernels of one replayed ubatched step; None when there
+  are no NCCL kernels (one rank).
+
+The graphs are released before this returns: NCCL's communicator teardown hangs while a graph
+that captured one of its collectives is alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ubatch.bench.kernels import hidden_kernel_fraction, kernel_costs, profile_kernels
+from ubatch.bench.measure import EagerRuns, Measurement, median_ms
+from ubatch.bench.workload import Step
+from ubatch.context import CUDAGraphMode
+from ubatch.graphed import GraphedModel, uniform_token_count
+
+GRAPH_MODES = {"decode": CUDAGraphMode.FULL, "prefill": CUDAGraphMode.PIECEWISE, "mixed": CUDAGraphMode.PIECEWISE}
+
+
+def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraphMode, warmup: int, repeats: int,
+                   sm_partition: Any = None, chrome_trace: str | None = None) -> Measurement:
+    """Graph-replayed baseline and ubatched step, with the eager figures beside them."""
+    eager = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
+    eager_baseline_ms = median_ms(eager.baseline, eager.device, warmup=warmup, repeats=repeats)
+    graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=_blocks_per_request(model, step),
+                           ubatch_counts=(1, num_ubatches), uniform_token_count=1, modes=(mode,),
+                           sm_partition=sm_partition)
+    try:
+        graphed.capture()
+        baseline, ubatched = (_replay(graphed, step, n, mode) for n in (1, num_ubatches))
+        baseline_ms = median_ms(baseline, eager.device, warmup=warmup, repeats=repeats)
+        ubatched_ms = median_ms(ubatched, eager.device, warmup=warmup, repeats=repeats)
+        compute_ms, comm_ms = kernel_costs(profile_kernels(baseline, eager.device))
+        kernels = profile_kernels(ubatched, eager.device, chrome_trace=chrome_trace)
+    finally:
+        graphed.release()
+    return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],
+                       eager_baseline_ms=eager_baseline_ms, graphs=True)
+
+
+def _blocks_per_request(model: Any, step: Step) -> int:
+    return step.attn_metadata[model.layer_names[0]].block_table.shape[1]
+
+
+def _replay(graphed: GraphedModel, step: Step, num_ubatches: int, mode: CUDAGraphMode) -> Callable[[], torch.Tensor]:
+    """A call that replays the step's graph of ``num_ubatches``. A capture that failed leaves
+    the step to run eagerly (with a warning); timing that as a replay would be wrong, so it raises."""
+    md = step.attn_metadata[graphed.model.layer_names[0]]
+    desc = graphed.plan(md.num_actual_tokens, md.num_reqs, uniform_token_count(md), num_ubatches=num_ubatches)
+    if desc is None or desc.cg_mode != mode:
+        raise RuntimeError(f"no {mode.name} graph of {md.num_actual_tokens} tokens in {num_ubatches} ubatch(es) "
+                           f"to replay (planned: {desc}); did its capture fail? See the warning above")
+
+    def replay() -> torch.Tensor:
+        with torch.inference_mode():
+            return graphed.replay(desc, step.input_ids, step.positions, md)
+
+    return replay

@@ -1,0 +1,93 @@
+"""How much communication a graph-replayed step hid, from the kernels torch.profiler records.
+
+No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing of a replay; the
+GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
+kernel compute. Copies and memsets are not kernels and count as neither.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from ubatch.bench.measure import drain
+from ubatch.trace import Interval, busy_ms, hidden_comm_fraction
+
+logger = logging.getLogger(__name__)
+
+# trace.hidden_comm_fraction counts compute of *other* ubatches; kernels belong to no ubatch, so
+# comm kernels get an id that no compute kernel has and every compute kernel can hide them.
+_COMPUTE_ID, _COMM_ID = 0, -1
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    end_us: float
+
+    @property
+    def is_comm(self) -> bool:
+        return "nccl" in self.name.lower()
+
+
+def kernels_in_trace(trace: dict[str, Any]) -> list[Kernel]:
+    """The kernels of a Chrome trace that torch.profiler exported: its complete events ("ph"
+    "X") of category "kernel", in microseconds."""
+    return [Kernel(e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
+            if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
+def _intervals(kernels: Sequence[Kernel]) -> list[Interval]:
+    return [Interval(_COMM_ID if k.is_comm else _COMPUTE_ID, "comm" if k.is_comm else "compute", k.name,
+                     k.start_us / 1e3, k.end_us / 1e3) for k in kernels]
+
+
+def hidden_kernel_fraction(kernels: Sequence[Kernel]) -> float | None:
+    """Communication kernel time overlapped by the union of compute kernel intervals, over all
+    communication kernel time; None without communication kernels (one rank: no NCCL)."""
+    return hidden_comm_fraction(_intervals(kernels))
+
+
+def kernel_costs(kernels: Sequence[Kernel]) -> tuple[float, float]:
+    """(compute ms, comm ms): how long compute kernels, and communication kernels, were busy
+    (overlaps within a kind counted once). Of an unsplit replay these are the step's C and M;
+    NCCL kernels also count time spent waiting for a peer that started late."""
+    intervals = _intervals(kernels)
+    return busy_ms(intervals, "compute"), busy_ms(intervals, "comm")
+
+
+def profile_kernels(fn: Callable[[], Any], device: torch.device, *, chrome_trace: str | None = None) -> list[Kernel]:
+    """The kernels of one call of ``fn`` on a CUDA device (every rank calls it alike).
+
+    A first, discarded call absorbs the profiler's start-up, which differs between ranks and
+    would otherwise stretch the first collective; ``chrome_trace`` keeps the recorded call's trace.
+    """
+    # torch's own workaround for CUDA graphs: CUPTI torn down and re-initialised (the next
+    # profiled configuration) can crash graph replays.
+    os.environ.setdefault("TEARDOWN_CUPTI", "0")
+    drain(device)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+        for _ in range(2):
+            fn()
+            torch.cuda.synchronize(device)
+            prof.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        if chrome_trace:
+            shutil.copyfile(path, chrome_trace)
+        with open(path) as f:
+            kernels = kernels_in_trace(json.load(f))
+    if not kernels:
+        logger.warning("torch.profiler recorded no kernels of the profiled step (is CUPTI working?)")
+    return kernels
