@@ -14,11 +14,11 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm prefill decode generate}
+parts=${GPU_CHECK_PARTS:-tests sm prefill decode spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
-want tests && timeout 360 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+want tests && timeout 480 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 want sm && run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
 prefill="-m ubatch.bench --model moe --prompt-len 512 --policy auto"
 if want prefill; then
@@ -26,6 +26,12 @@ if want prefill; then
   slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_slowlink.json" --plot "$OUT/moe_prefill_slowlink.png" --label slow-link | tail -10
   slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --label slow-link-green | tail -10
 fi
-want decode && run2 120 scripts/bench_decode_graphs.py --out "$OUT/decode_graphs_2gpu.json" | tail -6
+decode="-m ubatch.bench --model moe --workload decode --graphs --layers 4 --tokens 64,256,512 --num-ubatches 2 --repeats 20 --policy auto"
+if want decode; then
+  run2 150 $decode --out "$OUT/moe_decode_graphs_nvlink.json" --label nvlink-graphs | tail -8
+  slow run2 150 $decode --out "$OUT/moe_decode_graphs_slowlink.json" --label slow-link-graphs | tail -8
+fi
+want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
+  --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12
 want generate && run2 120 scripts/torchrun_generate.py --model moe --num-ubatches 2 | tail -4
 exit 0

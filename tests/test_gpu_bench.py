@@ -54,8 +54,7 @@ def test_graphs_decode_report_on_one_gpu(tmp_path, capsys):
     assert r["comm_ms"] >= 0 and r["ideal_speedup"] >= 1.0
     assert r["hidden_comm_fraction"] is None  # one rank: no NCCL kernels
     (point,) = report["auto"]["points"]
-    assert point["choice"] is None and point["auto_ms"] is None and point["note"]
-    assert point["best"] in (1, 2)
+    assert point["choice"] in (1, 2) and point["best"] in (1, 2) and set(r["capture_time_ms"]) == {"1", "2"}
     kernels = kernels_in_trace(json.loads(trace.read_text()))
     assert kernels and not any(k.is_comm for k in kernels)
     assert "eager ms" in capsys.readouterr().out

@@ -32,8 +32,8 @@ from ubatch.sm import MODES, SMPartition
 
 logger = logging.getLogger("ubatch.bench")
 
-GRAPH_POLICY_NOTE = ("the split policy models eager steps (a host launch cost per ubatch, calibrated eagerly); "
-                     "it does not predict graph replays, so it picks nothing here")
+GRAPH_POLICY_NOTE = ("graph replays: the policy picks the ubatch count whose graph replayed faster in a "
+                     "short timing right after capture (capture_time_ms), separate from the measured figures")
 
 
 def _int_list(text: str) -> list[int]:
@@ -217,10 +217,11 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
                  stages: int) -> dict[str, Any]:
     """Calibrate on sizes of their own, then compare the policy's pick with the best measured
     configuration at every sweep point (all from this run); ``stages`` collectives per step
-    (two per layer: dispatch and combine, or two all-reduces). Under ``--graphs`` the policy
-    picks nothing (``GRAPH_POLICY_NOTE``): a null pick beats a wrong one."""
+    (two per layer: dispatch and combine, or two all-reduces). Under ``--graphs`` the eager cost
+    model does not apply (no host launch cost): see ``GRAPH_POLICY_NOTE``."""
     if args.graphs:
-        return {"points": [_point(results, tokens, None) for tokens in args.tokens]}
+        return {"note": GRAPH_POLICY_NOTE,
+                "points": [_point(results, tokens, _fastest_at_capture(results, tokens)) for tokens in args.tokens]}
     calibration = {t: measure_at(t, 2) for t in args.calibrate_tokens}
     costs = calibrate(lambda t: (calibration[t].compute_ms, calibration[t].comm_ms),
                       lambda t, n: calibration[t].baseline_ms if n == 1 else calibration[t].ubatched_ms,
@@ -232,14 +233,21 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
             "points": [_point(results, tokens, policy.decide(tokens)) for tokens in args.tokens]}
 
 
-def _point(results: list[dict[str, Any]], tokens: int, choice: int | None) -> dict[str, Any]:
-    """The policy's ``choice`` (None: no pick) beside the best measured ubatch count at ``tokens``."""
+def _fastest_at_capture(results: list[dict[str, Any]], tokens: int) -> int:
+    """The ubatch count whose graph was fastest in the timings right after capture."""
+    timed: dict[int, float] = {}
+    for r in results:
+        if r["tokens_per_rank"] == tokens:
+            timed.update({int(n): ms for n, ms in r["capture_time_ms"].items()})
+    return min(timed, key=timed.get)
+
+
+def _point(results: list[dict[str, Any]], tokens: int, choice: int) -> dict[str, Any]:
+    """The policy's ``choice`` beside the best measured ubatch count at ``tokens``."""
     rows = [r for r in results if r["tokens_per_rank"] == tokens]
     measured = {1: rows[0]["baseline_ms"], **{r["num_ubatches"]: r["ubatched_ms"] for r in rows}}
     best = min(measured, key=measured.get)
     point = {"tokens_per_rank": tokens, "choice": choice, "best": best, "best_ms": measured[best]}
-    if choice is None:
-        return {**point, "auto_ms": None, "auto_vs_best": None, "note": GRAPH_POLICY_NOTE}
     return {**point, "auto_ms": measured[choice], "auto_vs_best": round(measured[best] / measured[choice], 4)}
 
 
@@ -259,8 +267,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def _describe(point: dict[str, Any]) -> str:
     best = f"best N={point['best']} ({point['best_ms']:.3f} ms)"
-    if point["choice"] is None:
-        return f"auto at {point['tokens_per_rank']} tokens: no pick ({point['note']}); {best}"
     return (f"auto at {point['tokens_per_rank']} tokens: N={point['choice']} ({point['auto_ms']:.3f} ms), "
             f"{best}: {point['auto_vs_best']:.3f}x of best")
 

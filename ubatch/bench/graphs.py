@@ -12,7 +12,9 @@ request), PIECEWISE for prefill and mixed steps. Then, for one step:
   (``ubatch.bench.kernels``). Not the eager trace: where an eager step is host-bound its
   launch gaps would count as compute;
 - ``hidden_comm_fraction``: from the kernels of one replayed ubatched step; None when there
-  are no NCCL kernels (one rank).
+  are no NCCL kernels (one rank);
+- ``capture_time_ms``: a short, separate timing of both graphs right after capture, what a
+  runner can afford at start-up; the auto policy picks the faster per size from it.
 
 The graphs are released before this returns: NCCL's communicator teardown hangs while a graph
 that captured one of its collectives is alive.
@@ -45,6 +47,8 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
     try:
         graphed.capture()
         baseline, ubatched = (_replay(graphed, step, n, mode) for n in (1, num_ubatches))
+        capture_time_ms = {n: median_ms(fn, eager.device, warmup=1, repeats=3)
+                           for n, fn in ((1, baseline), (num_ubatches, ubatched))}
         baseline_ms = median_ms(baseline, eager.device, warmup=warmup, repeats=repeats)
         ubatched_ms = median_ms(ubatched, eager.device, warmup=warmup, repeats=repeats)
         compute_ms, comm_ms = kernel_costs(profile_kernels(baseline, eager.device))
@@ -52,7 +56,7 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
     finally:
         graphed.release()
     return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],
-                       eager_baseline_ms=eager_baseline_ms, graphs=True)
+                       eager_baseline_ms=eager_baseline_ms, graphs=True, capture_time_ms=capture_time_ms)
 
 
 def _blocks_per_request(model: Any, step: Step) -> int:

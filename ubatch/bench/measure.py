@@ -59,6 +59,7 @@ class Measurement:
     timeline: list[Interval]
     eager_baseline_ms: float
     graphs: bool = False
+    capture_time_ms: dict[int, float] | None = None
 
     @property
     def speedup(self) -> float:
@@ -89,6 +90,8 @@ class Measurement:
             "hidden_comm_fraction": None
             if self.hidden_comm_fraction is None
             else round(self.hidden_comm_fraction, 4),
+            "capture_time_ms": None if self.capture_time_ms is None
+            else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
 
 
