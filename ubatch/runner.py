@@ -180,7 +180,7 @@ class ModelRunner:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.model = model
         self.config = config
-        self.device = torch.device(device)
+        self.device = _resolved(torch.device(device))
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -699,3 +699,10 @@ def _is_local(model: Decoder) -> bool:
     """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
     return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None
                for m in model.modules())
+
+
+def _resolved(device: torch.device) -> torch.device:
+    """``cuda`` as the device it means (``cuda:<current>``), so it compares equal to a model's."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
