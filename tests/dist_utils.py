@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 def _entry(
     rank: int, world_size: int, backend: str, init_file: str, fn: Callable[..., Any], args: tuple, errors: Any
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # several ranks share the cores (OMP_NUM_THREADS would come after torch's import)
     device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank)

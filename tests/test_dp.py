@@ -1,6 +1,7 @@
-"""Data parallelism: the per-step vote, DP=2 EP=2 generation equal to one process holding the
-whole model and every request (ubatching on and off, unequal loads, an idle rank), and a peer
-that crashes or hangs mid-run surfacing as a clear error within a bounded time."""
+"""Data parallelism: the per-step vote, DP=EP generation on 2 and 4 gloo ranks (8 with
+--run-slow) equal to one process holding the whole model and every request (ubatching on and
+off, unequal loads, an idle rank), torchrun on 2 and 4 processes, and a peer that crashes or
+hangs mid-run surfacing as a clear error within a bounded time."""
 
 from __future__ import annotations
 
@@ -116,13 +117,24 @@ def test_bad_vote_inputs(kwargs, match):
 
 # ----- generation -------------------------------------------------------------------------------
 
-# Per rank: (prompt lengths, max_new_tokens). Rank 1 finishes early (then runs padding steps);
-# in the second scenario it has no request at all.
+# Per world size, per scenario, per rank: (prompt lengths, max_new_tokens). The last rank
+# finishes early (then runs padding steps); in "idle-rank" it has no request at all.
 LOADS = {
-    "unequal": [((3, 17, 40, 9), (6, 4, 6, 5)), ((12, 9, 2), (2, 3, 2))],
-    "idle-rank": [((11, 26, 1), (5, 6, 4)), ((), ())],
-    "lockstep": [((2, 3, 2, 3), (7, 7, 7, 7)), ((3, 2, 2, 2), (5, 5, 5, 5))],
+    2: {
+        "unequal": [((3, 17, 40, 9), (6, 4, 6, 5)), ((12, 9, 2), (2, 3, 2))],
+        "idle-rank": [((11, 26, 1), (5, 6, 4)), ((), ())],
+        "lockstep": [((2, 3, 2, 3), (7, 7, 7, 7)), ((3, 2, 2, 2), (5, 5, 5, 5))],
+    },
+    4: {
+        "unequal": [((3, 17, 40, 9), (6, 4, 6, 5)), ((12, 9, 2), (2, 3, 2)), ((25, 4, 6), (5, 6, 3)),
+                    ((7, 1, 5), (2, 2, 1))],
+        "idle-rank": [((11, 26, 1), (5, 6, 4)), ((9, 4), (3, 5)), ((14, 3), (4, 2)), ((), ())],
+        "lockstep": [((2, 3, 2, 3), (7, 7, 7, 7)), ((3, 2, 2, 2), (7, 7, 7, 7)), ((2, 2, 3, 3), (6, 7, 7, 6)),
+                     ((3, 2, 2, 2), (5, 5, 5, 5))],
+    },
 }
+# Two copies of the 4-rank loads (every rank's prompts still differ: they are seeded by rank).
+LOADS[8] = {name: loads * 2 for name, loads in LOADS[4].items()}
 
 
 def make_prompts(config: ModelConfig, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -144,11 +156,18 @@ def record_steps(runner: ModelRunner) -> list[tuple[int, DPBatchDecision]]:
     return steps
 
 
+def moe_config(world_size: int) -> ModelConfig:
+    """tiny-moe, with one expert per rank on worlds larger than its 4 experts (which the MoE
+    refuses to split unevenly)."""
+    return ModelConfig.preset("tiny-moe", num_experts=max(4, world_size))
+
+
 def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: int, graphs: bool = False) -> None:
     """DP+EP generation on every rank vs one runner holding the whole model and all requests."""
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
-    config = ModelConfig.preset("tiny-moe")
-    reference_runner = ModelRunner(build_model(config, device=device), config, device=device, **RUNNER)
+    config = moe_config(world_size)
+    reference_runner = ModelRunner(build_model(config, device=device), config, device=device,
+                                   **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size))
     model = build_model(config, device=device, ep_group=dist.group.WORLD)
     graph_options = dict(cudagraph_capture_sizes=[4, 8, 16], max_model_len=64) if graphs else {}
     runner = ModelRunner(model, config, device=device, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
@@ -158,7 +177,7 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
         runner.capture_graphs()
         replay = runner.graphs.replay
         runner.graphs.replay = lambda desc, *a: replayed.append(desc) or replay(desc, *a)
-    for name, loads in LOADS.items():
+    for name, loads in LOADS[world_size].items():
         prompts = [make_prompts(config, lengths, seed=r) for r, (lengths, _) in enumerate(loads)]
         limits = [list(limit) for _, limit in loads]
         reference = reference_runner.generate(sum(prompts, []), sum(limits, []))
@@ -169,8 +188,8 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
         ran = steps[:-1]  # the last step is the all-idle one that ends generate() everywhere
         assert not any(steps[-1][1].num_tokens_across_dp)
         assert all(len(set(d.num_tokens_across_dp)) == 1 for _, d in ran), "EP ranks must run equal counts"
-        if rank == 1:
-            assert any(real == 0 for real, _ in ran), f"{name}: rank 1 never ran a padding-only step"
+        if rank == world_size - 1:
+            assert any(real == 0 for real, _ in ran), f"{name}: rank {rank} never ran a padding-only step"
         ubatched = [d.should_ubatch for _, d in ran]
         assert any(ubatched) == (num_ubatches > 1 and name != "idle-rank"), (name, ubatched)
         assert not all(ubatched), f"{name}: steps with a nearly idle rank must not split"
@@ -181,8 +200,9 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
 
 
 @pytest.mark.parametrize("num_ubatches", [1, 2])
-def test_dp2_ep2_generation_equals_single_process_gloo(num_ubatches):
-    run_distributed(generation_body, 2, "cpu", num_ubatches)
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_dp_ep_generation_equals_single_process_gloo(world_size, num_ubatches):
+    run_distributed(generation_body, world_size, "cpu", num_ubatches)
 
 
 def test_local_ubatched_generation_equals_unsplit():
@@ -211,7 +231,7 @@ def test_dp2_ep2_generation_equals_single_process_nccl(num_ubatches, graphs):
 def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], results: Any) -> None:
     """Run ``fn`` and report (rank, result or error text); exit without tearing the group down,
     since a peer may be gone."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # OMP_NUM_THREADS set here would come after torch's import: ignored
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         results.put((rank, fn(rank)))
@@ -310,10 +330,12 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_torchrun_generate_prints_throughput():
-    result = torchrun(2, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_generate_prints_throughput(nproc):
+    result = torchrun(nproc, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"tiny-moe on 2 x cpu, num_ubatches=2: 6 requests, 24 tokens in .* tokens/s", result.stdout)
+    expected = rf"tiny-moe on {nproc} x cpu, num_ubatches=2: {3 * nproc} requests, {12 * nproc} tokens in .* tokens/s"
+    assert re.search(expected, result.stdout)
 
 
 def test_torchrun_generate_names_a_world_size_that_does_not_fit():
