@@ -29,9 +29,10 @@ class AttentionBackend(Protocol):
 
 
 class TorchBackend:
-    """Reference backend, any device: per request, gather its K/V from the block table, repeat
-    KV heads for GQA, and run SDPA with a bottom-right-aligned causal mask. Loops in Python
-    over requests (lengths come from the CPU copies, so there is no device sync).
+    """Reference backend, any device: per request, gather its K/V from the block table and run
+    SDPA with a bottom-right-aligned causal mask, grouped-query heads shared in place
+    (``enable_gqa``, no repeated KV copy). Loops in Python over requests (lengths come from the
+    CPU copies, so there is no device sync).
 
     A uniform batch (every request has the same query length: decode, speculative
     verification) takes one batched SDPA over the whole block table instead, masked by the
@@ -60,13 +61,10 @@ class TorchBackend:
             mask = key_pos <= (metadata.seq_lens.view(-1, 1) + offsets).unsqueeze(-1)  # [R, u, L]
         else:
             mask = (key_pos < metadata.seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
-        group = num_heads // num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=2)
-            v = v.repeat_interleave(group, dim=2)
         qr = q[: num_reqs * query_len].view(num_reqs, query_len, num_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+            qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
         )
         return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
 
@@ -75,7 +73,6 @@ class TorchBackend:
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        group = num_heads // num_kv_heads
         starts = metadata.query_start_loc_cpu.tolist()
         out = q.new_empty(starts[-1], num_heads, head_dim)
         for r, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
@@ -85,9 +82,6 @@ class TorchBackend:
                 continue
             blocks = metadata.block_table[r, : -(-seq_len // block_size)]
             k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1)[:seq_len] for i in (0, 1))
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
             mask = None
             if metadata.causal and query_len > 1:
                 key_pos = torch.arange(seq_len, device=q.device)
@@ -99,6 +93,7 @@ class TorchBackend:
                 v.transpose(0, 1),
                 attn_mask=mask,
                 scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
             )
             out[q_start:q_end] = o.transpose(0, 1)
         return out
