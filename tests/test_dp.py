@@ -76,6 +76,26 @@ def vote_body(rank: int, world_size: int, cases: list[tuple[list[tuple], tuple]]
     model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
     with pytest.raises(ValueError, match=r"expert-parallel over 2 ranks: pass dp_group"):
         ModelRunner(model, config, device="cpu", **RUNNER)
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    with pytest.raises(ValueError, match=rf"includes ranks \[{1 - rank}\] outside dp_group \(ranks \[{rank}\]\)"):
+        ModelRunner(model, config, device="cpu", dp_group=singles[rank], **RUNNER)
+
+
+def test_dp_cpu_group_survives_a_new_default_group(tmp_path, monkeypatch):
+    """A cached gloo group belongs to the default group it was made under: after tearing the
+    default group down and initialising a new one whose id is the same (forced here; CPython
+    may reuse a freed object's id), the vote gets a live group."""
+    import ubatch.dp
+
+    monkeypatch.setattr(ubatch.dp, "id", lambda obj: 7, raising=False)
+    for attempt in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous{attempt}", rank=0, world_size=1)
+        try:
+            decision = coordinate_batch_across_dp(3, 4, wants_ubatch=False, cudagraph_mode=NONE,
+                                                  group=dp_cpu_group(timeout_s=5))
+            assert decision.num_tokens_across_dp == [4]
+        finally:
+            dist.destroy_process_group()
 
 
 def test_vote_rules_two_ranks_gloo():

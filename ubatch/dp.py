@@ -25,7 +25,7 @@ __all__ = ["DPBatchDecision", "DPMetadata", "coordinate_batch_across_dp", "dp_cp
 
 # (id of the default group, member ranks, timeout) -> gloo group; new_group is collective, so
 # each group is created once and reused every step.
-_cpu_groups: dict[tuple[int, tuple[int, ...], float | None], Any] = {}
+_cpu_groups: dict[tuple[int, tuple[int, ...], float | None], tuple[Any, Any]] = {}
 _VOTE_LEN = 5  # fields in _Vote.as_list()
 
 
@@ -139,13 +139,14 @@ def dp_cpu_group(group: Any = None, *, timeout_s: float | None = None) -> Any:
     if timeout_s is None and dist.get_backend(group) == "gloo":
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
+    # An entry belongs to the default group it was made under (a new init may reuse the id).
     key = (id(dist.group.WORLD), ranks, timeout_s)
-    if key not in _cpu_groups:
+    if key not in _cpu_groups or _cpu_groups[key][0] is not dist.group.WORLD:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        _cpu_groups[key] = dist.new_group(list(ranks), backend="gloo", timeout=timeout,
-                                          use_local_synchronization=True)
+        _cpu_groups[key] = (dist.group.WORLD, dist.new_group(list(ranks), backend="gloo", timeout=timeout,
+                                                            use_local_synchronization=True))
         logger.debug("created a gloo group over ranks %s for DP coordination", ranks)
-    return _cpu_groups[key]
+    return _cpu_groups[key][1]
 
 
 def _gather_votes(vote: _Vote, group: Any) -> list[_Vote]:

@@ -276,6 +276,8 @@ class ModelRunner:
                 f"the model is expert-parallel over {ep_world} ranks: pass dp_group so that every "
                 f"rank runs every step with the same token count"
             )
+        if dp_group is not None:
+            _check_dp_covers_ep(dp_group, getattr(self.model, "moe_layers", {}).values())
         self._dp_group = None if dp_group is None else dp_cpu_group(dp_group, timeout_s=timeout_s)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -693,6 +695,22 @@ def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, blo
 def _uniform(query_lens: list[int]) -> int | None:
     """Tokens per request when every request of the step has the same count, else None."""
     return query_lens[0] if query_lens and len(set(query_lens)) == 1 else None
+
+
+def _check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
+    """Every expert-parallel peer must vote in the DP group: the vote is what pads all of them
+    to one token count, and all-to-alls between ranks with different counts do not match."""
+    dp_ranks = set(dist.get_process_group_ranks(dp_group))
+    for layer in moe_layers:
+        if layer.ep_group is None:
+            continue
+        outside = sorted(set(dist.get_process_group_ranks(layer.ep_group)) - dp_ranks)
+        if outside:
+            raise ValueError(
+                f"the model's expert-parallel group includes ranks {outside} outside dp_group "
+                f"(ranks {sorted(dp_ranks)}): they would not join the per-step vote, so their "
+                f"all-to-alls could not be padded to match; use a dp_group that covers the EP group"
+            )
 
 
 def _is_local(model: Decoder) -> bool:
