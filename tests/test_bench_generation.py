@@ -42,3 +42,14 @@ def test_cli_rejects_an_unknown_drafter(capsys):
     with pytest.raises(SystemExit):
         main(["--workload", "generate", "--drafter", "self,huge"])
     assert "expected drafters among self, truncated, got 'self,huge'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--requests", "0"], "expected a positive integer, got '0'"),
+    (["--max-new-tokens", "2,3"], "expected a positive integer, got '2,3'"),
+    (["--policy", "auto"], "--policy and --sm-partition apply to single steps"),
+])
+def test_cli_generate_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["--workload", "generate", *argv])
+    assert message in capsys.readouterr().err

@@ -46,6 +46,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _drafter_list(text: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     unknown = [v for v in values if v not in DRAFTERS]
@@ -67,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
     p.add_argument("--num-ubatches", type=_int_list, help="ubatch counts to try, e.g. 2,3,4 (default 2; "
                    "generate: 1, and only the first count is used)")
-    p.add_argument("--requests", type=int, default=32, help="generate: requests per generation")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="generate: tokens generated per request")
+    p.add_argument("--requests", type=_positive_int, default=32, help="generate: requests per generation")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="generate: tokens generated per request")
     p.add_argument("--spec-k", type=_int_list, default=[2, 4], help="generate: speculative tokens per step to try")
     p.add_argument("--drafter", type=_drafter_list, default=list(DRAFTERS),
                    help=f"generate: drafters to try ({', '.join(DRAFTERS)})")
@@ -93,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workload == "generate" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--workload generate runs in one process; launch it without torchrun")
+    if args.workload == "generate" and (args.policy != "fixed" or args.sm_partition != "none"):
+        p.error("--policy and --sm-partition apply to single steps, not to --workload generate")
     if args.graphs and args.plot:
         p.error("--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
                 "--chrome-trace writes the profiled kernels of a replayed ubatched step instead")

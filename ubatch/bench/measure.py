@@ -4,7 +4,7 @@ Every figure of a result comes from the same process and run. The compute and co
 times come from a traced single-ubatch run (the same kernels, strictly serial: each collective
 waits for the compute before it and the compute after it waits for the collective), so the ideal
 speedup (C+M)/max(C,M) is measured, not modelled. ``ubatch.bench.graphs`` times graph replays of
-the same step and reuses these eager runs for the eager baseline and the serial split.
+the same step and reuses these eager runs for its eager baseline.
 """
 
 from __future__ import annotations
