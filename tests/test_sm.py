@@ -110,7 +110,7 @@ def test_comm_group_passes_the_group_through_when_not_cooperative(mode):
 
 
 @pytest.mark.parametrize("mode", ["none", "green", "cooperative"])
-def test_compute_context_is_a_no_op_unless_cooperative(mode):
+def test_compute_context_is_a_no_op_where_the_mode_degraded(mode):
     before = torch._C._get_sm_carveout_experimental()
     part = SMPartition(mode, 8, device="cpu")
     with part.compute_context():
@@ -220,6 +220,21 @@ def test_green_builds_one_disjoint_pair_per_distinct_phase_budget(fake_hopper, c
     assert part.partition_sms() == (116, 16) and part.partition_sms("decode") == (124, 8)
     assert [name for name, _ in driver.calls].count("cuGreenCtxCreate") == 4
     assert "116 compute SMs, 16 comm SMs" in caplog.text
+
+
+def test_green_carves_every_sm_outside_the_compute_partition_out_of_gemms(fake_hopper):
+    fake_hopper(_fake_driver())
+    part = SMPartition("green", 16, "cuda:0", decode_comm_sms=8)
+    assert part.carveout_for() == 16 and part.carveout_for("decode") == 8
+    before = torch._C._get_sm_carveout_experimental()
+    with part.compute_context(phase="decode"):
+        assert torch._C._get_sm_carveout_experimental() == 8
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
+def test_no_carveout_without_a_partition():
+    assert SMPartition("none", 8, device="cpu").carveout_for() is None
+    assert SMPartition("green", 8, device="cpu").carveout_for() is None  # degraded: no partition
 
 
 @pytest.mark.parametrize(
@@ -455,6 +470,14 @@ def test_cooperative_compute_context_sets_and_restores_the_carveout():
     with part.compute_context():
         assert torch._C._get_sm_carveout_experimental() == 24
     assert torch._C._get_sm_carveout_experimental() == before
+
+
+@pytest.mark.cuda
+def test_green_compute_context_sizes_gemms_to_the_compute_partition():
+    part = _green(16)
+    compute_sms, _ = part.partition_sms()
+    with part.compute_context():
+        assert torch._C._get_sm_carveout_experimental() == part.total_sms - compute_sms
 
 
 def _cooperative_body(rank, world_size):

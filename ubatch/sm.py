@@ -5,7 +5,8 @@ hides almost nothing (DESIGN.md, "Facts measured on an H200"). ``SMPartition`` i
 scheduler and wrapper consult for streams, communicators and GEMM launches. Modes:
 
 - ``"green"``: compute streams on a green context of ``total - comm_sms`` SMs and the comm stream
-  on a disjoint one of ``comm_sms`` SMs. ``torch.cuda.green_contexts.GreenContext.create()``
+  on a disjoint one of ``comm_sms`` SMs; GEMMs launched under ``compute_context()`` size their
+  grids to the compute partition (see ``carveout_for``). ``torch.cuda.green_contexts.GreenContext.create()``
   carves every context from the whole device (two of them overlap and serialise), so the device's
   SM resource is split through ``cuda.bindings.driver`` (``cuDevSmResourceSplitByCount`` returns
   disjoint groups) and the driver's streams are wrapped in ``torch.cuda.ExternalStream``. Every
@@ -246,21 +247,36 @@ class SMPartition:
             for phase in (None, *PHASES):
                 self.comm_group(group, phase)
 
+    def carveout_for(self, phase: str | None = None) -> int | None:
+        """SMs that persistent GEMMs (cuBLAS, torch's CUTLASS grouped GEMM) must leave unused
+        during a ubatched step, or None for no carveout.
+
+        "cooperative": ``comm_sms``, room for the collectives' CTAs. "green": every SM outside the
+        compute partition. Those kernels size their grid to the device's SM count; on a smaller
+        partition the CTAs past it run as a second wave, and a persistent kernel's CTA that waits
+        for a second wave holds the whole GEMM (measured on 2 H200s: expert GEMMs 30-40% slower
+        beside NCCL kernels, green or not).
+        """
+        if self._effective == "cooperative":
+            return self.comm_sms_for(phase)
+        sms = self.partition_sms(phase)
+        return None if sms is None else self.total_sms - sms[0]
+
     @contextlib.contextmanager
     def compute_context(self, phase: str | None = None) -> Iterator[None]:
-        """Launch compute inside: in "cooperative" mode cuBLAS GEMMs leave ``comm_sms`` SMs free.
+        """Launch compute inside: GEMMs leave ``carveout_for(phase)`` SMs unused (see there).
 
         The carveout is process-wide torch state (not per stream or thread), so wrap a whole step,
         not one ubatch; the previous value is restored on exit.
         """
-        sms = self.comm_sms_for(phase)
+        carveout = self.carveout_for(phase)
         setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
         getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
-        if self._effective != "cooperative" or setter is None or getter is None:
+        if carveout is None or setter is None or getter is None:
             yield
             return
         previous = getter()
-        setter(sms)
+        setter(carveout)
         try:
             yield
         finally:

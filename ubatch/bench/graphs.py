@@ -46,7 +46,7 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
                            sm_partition=sm_partition)
     try:
         graphed.capture()
-        baseline, ubatched = (_replay(graphed, step, n, mode) for n in (1, num_ubatches))
+        baseline, ubatched = (replay_call(graphed, step, n, mode) for n in (1, num_ubatches))
         capture_time_ms = {n: median_ms(fn, eager.device, warmup=1, repeats=3)
                            for n, fn in ((1, baseline), (num_ubatches, ubatched))}
         baseline_ms = median_ms(baseline, eager.device, warmup=warmup, repeats=repeats)
@@ -63,7 +63,7 @@ def _blocks_per_request(model: Any, step: Step) -> int:
     return step.attn_metadata[model.layer_names[0]].block_table.shape[1]
 
 
-def _replay(graphed: GraphedModel, step: Step, num_ubatches: int, mode: CUDAGraphMode) -> Callable[[], torch.Tensor]:
+def replay_call(graphed: GraphedModel, step: Step, num_ubatches: int, mode: CUDAGraphMode) -> Callable[[], torch.Tensor]:
     """A call that replays the step's graph of ``num_ubatches``. A capture that failed leaves
     the step to run eagerly (with a warning); timing that as a replay would be wrong, so it raises."""
     md = step.attn_metadata[graphed.model.layer_names[0]]
