@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (two H200s): every GPU test, then the benchmarks behind the README's GPU
 # figures. Outputs go to $OUT (default ./out). greenlet is installed from .whl/ when the image
-# lacks it (see README: "Tests").
+# lacks it (see README: "Tests"). GPU_CHECK_PARTS picks parts (default: all, in this order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -11,25 +11,30 @@ if ! python3 -c "import greenlet" 2>/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$"; }
+run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 \
+  | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm prefill decode spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm prefill prefill_green prefill_graphs decode spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
 want tests && timeout 480 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 want sm && run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
 prefill="-m ubatch.bench --model moe --prompt-len 512 --policy auto"
-if want prefill; then
+if want prefill; then  # eager, no SM partition
   run2 150 $prefill --tokens 256,1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_nvlink.json" --plot "$OUT/moe_prefill_nvlink.png" --label nvlink | tail -12
   slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_slowlink.json" --plot "$OUT/moe_prefill_slowlink.png" --label slow-link | tail -10
-  slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --label slow-link-green | tail -10
 fi
-decode="-m ubatch.bench --model moe --workload decode --graphs --layers 4 --tokens 64,256,512 --num-ubatches 2 --repeats 20 --policy auto"
-if want decode; then
-  run2 150 $decode --out "$OUT/moe_decode_graphs_nvlink.json" --label nvlink-graphs | tail -8
-  slow run2 150 $decode --out "$OUT/moe_decode_graphs_slowlink.json" --label slow-link-graphs | tail -8
+want prefill_green && slow run2 150 $prefill --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_prefill_slowlink_green.json" --plot "$OUT/moe_prefill_slowlink_green.png" --label slow-link-green | tail -10
+if want prefill_graphs; then  # PIECEWISE graph replays, green partition
+  slow run2 200 $prefill --graphs --sm-partition green --tokens 1024,2048,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_graphs_slowlink_green.json" --label slow-link-graphs-green | tail -10
+  run2 150 $prefill --graphs --sm-partition green --tokens 1024,4096 --num-ubatches 2 --out "$OUT/moe_prefill_graphs_nvlink_green.json" --label nvlink-graphs-green | tail -6
+fi
+decode="-m ubatch.bench --model moe --workload decode --graphs --layers 4 --tokens 64,256,512,1024 --num-ubatches 2 --repeats 20 --policy auto --sm-partition green"
+if want decode; then  # FULL graph replays, green partition
+  slow run2 150 $decode --out "$OUT/moe_decode_graphs_slowlink_green.json" --label slow-link-graphs-green | tail -9
+  run2 150 $decode --out "$OUT/moe_decode_graphs_nvlink_green.json" --label nvlink-graphs-green | tail -9
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ubatch.bench.workload import Step
 from ubatch.context import set_forward_context
+from ubatch.scheduler import UbatchScheduler
 from ubatch.trace import Interval, hidden_comm_fraction
 from ubatch.wrapper import UBatchWrapper
 
@@ -96,12 +97,19 @@ class Measurement:
 
 
 class EagerRuns:
-    """The eager runs of one step: unsplit, ubatched, and serial on the ubatch scheduler."""
+    """The eager runs of one step: unsplit, ubatched, and serial on a one-ubatch scheduler.
+
+    The serial run's scheduler has ordinary streams and the default process group whatever the
+    SM partition, so C and M describe the step the baseline runs (the whole device), not the
+    compute partition: the ideal stays the same for every partition of one step.
+    """
 
     def __init__(self, model: Any, step: Step, num_ubatches: int, *, sm_partition: Any = None) -> None:
         self.model, self.step, self.device = model, step, model.device
         self.wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, sm_partition=sm_partition)
         self.wrapper.scheduler.prepare()
+        self.serial_scheduler = UbatchScheduler(1, self.device)
+        self.serial_scheduler.prepare()
         self.slices = step.slices(num_ubatches)
 
     def _run(self, slices: Any, runnable: Callable[[], Any]) -> Any:
@@ -118,24 +126,26 @@ class EagerRuns:
         return self._run(self.slices, lambda: self.wrapper(self.step.input_ids, self.step.positions))
 
     def serial(self) -> Any:
-        return self._run(None, lambda: self.wrapper.scheduler.run(
+        return self._run(None, lambda: self.serial_scheduler.run(
             [lambda: self.model(self.step.input_ids, self.step.positions)]))
 
     def serial_costs(self) -> tuple[float, float]:
         """(compute ms, comm ms) of the traced serial run."""
-        trace = self.traced(self.serial)
+        trace = self.traced(self.serial, self.serial_scheduler)
         return (sum(i.duration_ms for i in trace if i.kind == "compute"),
                 sum(i.duration_ms for i in trace if i.kind == "comm"))
 
-    def traced(self, fn: Callable[[], Any]) -> list[Interval]:
-        """The scheduler's timeline of one call of ``fn`` (after an untraced call)."""
+    def traced(self, fn: Callable[[], Any], scheduler: UbatchScheduler | None = None) -> list[Interval]:
+        """``scheduler``'s (default: the wrapper's) timeline of one call of ``fn``, after an
+        untraced call."""
+        scheduler = scheduler or self.wrapper.scheduler
         fn()
         drain(self.device)
-        self.wrapper.scheduler.start_trace()
+        scheduler.start_trace()
         try:
             fn()
         finally:
-            trace = self.wrapper.scheduler.stop_trace()
+            trace = scheduler.stop_trace()
         return trace.intervals()
 
 
