@@ -21,6 +21,10 @@ def test_quick_run_writes_report_and_plot(tmp_path, capsys):
         assert abs(r["speedup"] - r["baseline_ms"] / r["ubatched_ms"]) < 1e-2
         assert r["ideal_speedup"] >= 1.0 and r["compute_ms"] > 0
         assert r["graphs"] is False and r["eager_baseline_ms"] == r["baseline_ms"]
+        if r["comm_ms"] > 0:
+            assert abs(r["hideable_comm_fraction"] - min(r["compute_ms"], r["comm_ms"]) / r["comm_ms"]) < 1e-3
+        else:
+            assert r["hideable_comm_fraction"] is None
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
 

@@ -72,6 +72,12 @@ class Measurement:
         return (self.compute_ms + self.comm_ms) / longer if longer > 0 else 1.0
 
     @property
+    def hideable_comm_fraction(self) -> float | None:
+        """The most of the communication that compute can cover, min(C, M) / M: a step with
+        more communication than compute (M > C) cannot hide all of it, however it is split."""
+        return None if self.comm_ms <= 0 else min(self.compute_ms, self.comm_ms) / self.comm_ms
+
+    @property
     def efficiency(self) -> float | None:
         if self.ideal_speedup <= 1.0 + 1e-9:
             return None
@@ -91,6 +97,8 @@ class Measurement:
             "hidden_comm_fraction": None
             if self.hidden_comm_fraction is None
             else round(self.hidden_comm_fraction, 4),
+            "hideable_comm_fraction": None if self.hideable_comm_fraction is None
+            else round(self.hideable_comm_fraction, 4),
             "capture_time_ms": None if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
