@@ -6,7 +6,8 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
   ``m = M(t/N)`` and ``S`` pipeline stages (the collectives a step runs, e.g. two all-to-alls
   per MoE layer): ``N * max(c, m) + min(c, m) / S + N * g``. The busier resource works N times
   in a row, the other adds one stage of fill and drain, and ``g`` is what each ubatch costs the
-  GPU beyond its share (smaller kernels, collective set-up, streams waiting on each other);
+  GPU beyond its share (profiled on H200s: kernels running slower beside a collective, weights
+  that memory-bound expert GEMMs read again per ubatch, smaller kernels);
 - the host: launching an unsplit step costs ``h``, and each ubatch of a split step ``h_u`` (its
   share of the launches plus the hand-offs), so N ubatches cannot finish before ``N * h_u`` (what
   makes eager splits of small batches lose);

@@ -1,0 +1,97 @@
+"""The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
+lane sat idle, kernel families that grow when split, and the schedule bound's limits."""
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+profile_step = _load("profile_step")
+profile_table = _load("profile_table")
+schedule_bound = _load("schedule_bound")
+
+
+def _trace():
+    launch = [("cudaLaunchKernel", 100, 1), ("cudaLaunchKernel", 110, 2), ("cuLaunchKernelEx", 120, 3),
+              ("cudaLaunchKernel", 400, 4)]
+    kernels = [("void gemm<float>(int)", 105, 100, 1, 7), ("ncclDevKernel_SendRecv(args)", 205, 150, 3, 9),
+               ("void gemm<float>(int)", 360, 100, 2, 7), ("void add<half>(int)", 470, 10, 4, 7)]
+    events = [{"cat": "cuda_driver" if n.startswith("cu") and not n.startswith("cuda") else "cuda_runtime",
+               "name": n, "ph": "X", "ts": ts, "dur": 5, "args": {"correlation": c}} for n, ts, c in launch]
+    events += [{"cat": "kernel", "name": n, "ph": "X", "ts": ts, "dur": d, "args": {"correlation": c, "stream": s}}
+               for n, ts, d, c, s in kernels]
+    events.append({"cat": "gpu_memcpy", "name": "Memcpy", "ph": "X", "ts": 90, "dur": 1, "args": {}})
+    return {"traceEvents": events}
+
+
+def test_kernel_records_keep_kernels_with_their_launch_times():
+    names = {}
+    rows = profile_step.kernel_records(_trace(), names)
+    assert list(names) == ["void gemm<float>(int)", "ncclDevKernel_SendRecv(args)", "void add<half>(int)"]
+    assert [r[:3] for r in rows] == [[0, 0, 7], [1, 1, 9], [0, 0, 7], [2, 0, 7]]
+    assert rows[0][3:] == [5, 105, 0] and rows[3][3:] == [370, 380, 300]
+
+
+def test_summary_splits_compute_idle_time_into_host_and_waiting():
+    summary = profile_step.summarize(profile_step.kernel_records(_trace(), {}))
+    assert summary["compute_kernels"] == 3 and summary["comm_kernels"] == 1
+    assert summary["compute_sum_ms"] == pytest.approx(0.21) and summary["comm_busy_ms"] == pytest.approx(0.15)
+    # gemm #2 was launched long before the lane went idle: waiting (on the collective), not host
+    assert summary["compute_idle_waiting_ms"] == pytest.approx(0.165)
+    assert summary["compute_idle_host_ms"] == 0.0
+
+
+def test_summary_blames_the_host_for_a_late_launch():
+    rows = [[0, 0, 7, 0, 100, 0], [0, 0, 7, 300, 400, 280]]  # launched 180 us after the lane idled
+    summary = profile_step.summarize(rows)
+    assert summary["compute_idle_host_ms"] == pytest.approx(0.18)
+    assert summary["compute_idle_waiting_ms"] == pytest.approx(0.02)
+
+
+def test_table_lists_kernel_families_that_grow(tmp_path, capsys, monkeypatch):
+    names = ["void gemm<float>(int)", "ncclDevKernel_SendRecv(args)"]
+    unsplit = [[0, 0, 7, 0, 1000, 0], [1, 1, 9, 1000, 3000, 0]]
+    split = [[0, 0, 7, 0, 900, 0], [0, 0, 8, 900, 1800, 0], [1, 1, 9, 900, 2000, 0], [1, 1, 9, 2000, 3100, 0]]
+    report = {"kernel_names": names, "configs": [
+        {"mode": "green:16", "num_ubatches": 1, "wall_ms": 3.0, "kernels": unsplit},
+        {"mode": "green:16", "num_ubatches": 2, "wall_ms": 3.1, "kernels": split}]}
+    assert profile_table.family("void gemm<float>(int)") == "gemm"
+    assert profile_table.family_totals(report["configs"][1], names) == {"gemm": (2, 1.8), "ncclDevKernel_SendRecv": (2, 2.2)}
+    text = profile_table.table(report, "green:16", top=5)
+    assert "unsplit -> N=2" in text and "gemm" in text.splitlines()[-1]
+    with pytest.raises(ValueError, match="no unsplit"):
+        profile_table.table(report, "none", top=5)
+    path = tmp_path / "p.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(report, f)
+    monkeypatch.setattr(sys, "argv", ["profile_table.py", str(path)])
+    profile_table.main()
+    assert "ncclDevKernel_SendRecv" in capsys.readouterr().out
+
+
+def test_schedule_bound_unsplit_is_the_serial_sum_and_splits_approach_the_ideal():
+    c, m = 71.0, 126.0
+    assert schedule_bound.step_ms(1, 8, c, m, 0.2) == pytest.approx(c + m)
+    times = [schedule_bound.step_ms(n, 8, c, m, 0.2) for n in (2, 3, 4)]
+    assert all(max(c, m) <= t < c + m for t in times)
+    assert times[1] <= times[0] + 1e-9  # more ubatches, less fill and drain in this model
+
+
+def test_schedule_bound_with_little_attention_leaves_comm_exposed_when_compute_bound():
+    # compute-bound, tiny attention: after the experts, only attention can cover the next collective
+    two = schedule_bound.step_ms(2, 8, 122.0, 73.0, 0.05)
+    assert two > 122.0 + 0.3 * 73.0
