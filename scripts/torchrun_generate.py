@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ubatch.bench import add_model_overrides, model_overrides
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["moe", "dense"], default="moe")
     p.add_argument("--preset", help="model preset (default: tiny-moe / tiny on CPU, small-moe / small on CUDA)")
-    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    add_model_overrides(p)
     p.add_argument("--prompts-per-rank", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; lengths are drawn from [len/2, len]")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -76,7 +77,9 @@ def init_distributed(choice: str, timeout_s: float) -> tuple[torch.device, int, 
 def model_config(args: argparse.Namespace, device: torch.device, world: int) -> tuple[str, ModelConfig]:
     """The preset's name and config, checked against the world size with an error naming it."""
     preset = args.preset or DEFAULT_PRESETS[(args.model, device.type)]
-    config = ModelConfig.preset(preset, **({"num_layers": args.layers} if args.layers else {}))
+    if args.model != "moe" and (args.num_experts or args.capacity_factor):
+        raise SystemExit("error: --num-experts and --capacity-factor apply to --model moe")
+    config = ModelConfig.preset(preset, **model_overrides(args))
     if config.kind != args.model:
         raise SystemExit(f"error: preset {preset!r} is a {config.kind} model but --model {args.model} was given")
     if config.kind == "moe" and config.num_experts % world:

@@ -125,3 +125,25 @@ def test_auto_policy_for_graph_replays_picks_the_faster_graph_at_capture_time():
     assert [(p["tokens_per_rank"], p["choice"], p["best"], p["auto_vs_best"]) for p in auto["points"]] == [
         (64, 1, 1, 1.0), (256, 3, 2, 0.8)], "a pick from the short timing may miss the measured best"
     assert "eager ms" in format_table(results).splitlines()[0]
+
+
+def test_capacity_factor_reports_the_dropped_share_unsplit_and_ubatched(tmp_path):
+    out = tmp_path / "report.json"
+    common = ["--device", "cpu", "--tokens", "64", "--prompt-len", "32", "--warmup", "0", "--repeats", "1"]
+    main([*common, "--num-experts", "4", "--capacity-factor", "0.6", "--out", str(out)])
+    dropped = json.loads(out.read_text())["results"][0]["dropped_fraction"]
+    assert set(dropped) == {"unsplit", "ubatched"}
+    assert all(0.0 < share < 1.0 for share in dropped.values()), dropped  # one rank keeps 60% of its rows
+    main([*common, "--out", str(out)])
+    assert json.loads(out.read_text())["results"][0]["dropped_fraction"] is None  # worst case: none dropped
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "dense", "--capacity-factor", "1"], "apply to --model moe"),
+    (["--capacity-factor", "0"], "expected a positive number"),
+    (["--num-experts", "-2"], "expected a positive integer"),
+])
+def test_model_overrides_refuse_bad_values(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err

@@ -362,3 +362,17 @@ def test_torchrun_generate_names_a_world_size_that_does_not_fit():
     result = torchrun(3, "--model", "moe")
     assert result.returncode != 0
     assert "4 experts, which cannot be split evenly over world size 3" in result.stderr
+
+
+def test_torchrun_generate_num_experts_fits_the_preset_to_the_world_size():
+    result = torchrun(3, "--num-experts", "6", "--prompts-per-rank", "2", "--max-new-tokens", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"tiny-moe on 3 x cpu, num_ubatches=1: 6 requests, 18 tokens", result.stdout)
+
+
+@pytest.mark.slow
+def test_torchrun_generate_on_8_cpu_ranks_with_8_experts():
+    result = torchrun(8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3",
+                      "--num-ubatches", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"tiny-moe on 8 x cpu, num_ubatches=2: 16 requests, 48 tokens", result.stdout)

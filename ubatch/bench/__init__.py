@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ubatch.bench.capacity import dropped_fractions
 from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for, format_generation_table, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
 from ubatch.bench.measure import Measurement, measure
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
-from ubatch.bench.workload import make_step
+from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.policy import SplitPolicy, calibrate
 from ubatch.sm import MODES, SMPartition
@@ -56,6 +57,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def _drafter_list(text: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     unknown = [v for v in values if v not in DRAFTERS]
@@ -68,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ubatch-bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["moe", "dense"], default="moe")
     p.add_argument("--preset", help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)")
-    p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    add_model_overrides(p)
     p.add_argument("--workload", choices=["prefill", "decode", "mixed", "generate"], default="prefill",
                    help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks; "
                         "generate: tokens/s of whole generations, plain and speculative (one process)")
@@ -105,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workload generate runs in one process; launch it without torchrun")
     if args.workload == "generate" and (args.policy != "fixed" or args.sm_partition != "none"):
         p.error("--policy and --sm-partition apply to single steps, not to --workload generate")
+    if args.model != "moe" and (args.num_experts or args.capacity_factor):
+        p.error("--num-experts and --capacity-factor apply to --model moe")
     if args.graphs and args.plot:
         p.error("--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
                 "--chrome-trace writes the profiled kernels of a replayed ubatched step instead")
@@ -117,6 +130,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.requests, args.max_new_tokens, args.spec_k = 4, 8, args.spec_k[:1]
     args.calibrate_tokens = args.calibrate_tokens or ([64, 256] if args.quick else [256, 2048])
     return args
+
+
+def add_model_overrides(p: argparse.ArgumentParser) -> None:
+    """The options that change a preset's shape (also used by scripts/torchrun_generate.py)."""
+    p.add_argument("--layers", type=_positive_int, help="override the preset's number of layers")
+    p.add_argument("--num-experts", type=_positive_int, help="MoE: override the preset's number of experts "
+                   "(expert parallelism needs a multiple of the world size)")
+    p.add_argument("--capacity-factor", type=_positive_float, help="MoE: bound the rows each rank sends each "
+                   "peer to ceil(f * tokens * top_k / world) (default: worst case, nothing dropped); reports "
+                   "the share of assignments dropped, unsplit and ubatched")
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelConfig fields the options of ``add_model_overrides`` set."""
+    given = {"num_layers": args.layers, "num_experts": args.num_experts, "capacity_factor": args.capacity_factor}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _device(choice: str, local_rank: int) -> torch.device:
@@ -166,8 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = _init_distributed(device)
     preset = args.preset or {("moe", False): "tiny-moe", ("dense", False): "tiny",
                              ("moe", True): "moe-bench", ("dense", True): "dense-bench"}[(args.model, device.type == "cuda")]
-    overrides = {"num_layers": args.layers} if args.layers else {}
-    config = ModelConfig.preset(preset, **overrides)
+    config = ModelConfig.preset(preset, **model_overrides(args))
     if (config.kind == "moe") != (args.model == "moe"):
         raise ValueError(f"preset {preset!r} is a {config.kind} model but --model {args.model} was given")
     if args.workload == "generate":
@@ -180,9 +208,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         partition.setup([group])
     results, first_timeline = [], None
 
-    def measure_at(tokens: int, n: int, chrome_trace: str | None = None) -> Measurement:
+    def step_at(tokens: int) -> Step:
         query, context = _shape(args, tokens)
-        step, _ = make_step(model, query, context, seed=rank if config.kind == "moe" else 0)
+        return make_step(model, query, context, seed=rank if config.kind == "moe" else 0)[0]
+
+    def measure_at(tokens: int, n: int, chrome_trace: str | None = None) -> Measurement:
+        step = step_at(tokens)
         if args.graphs:
             return measure_graphs(model, step, n, mode=GRAPH_MODES[args.workload], warmup=args.warmup,
                                   repeats=args.repeats, sm_partition=partition, chrome_trace=chrome_trace)
@@ -197,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
             "world_size": world, "label": args.label, "sm_partition": partition.effective_mode,
             "comm_sms": partition.comm_sms_for(), **m.as_dict(),
+            "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
         })
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
     if args.policy == "auto":
