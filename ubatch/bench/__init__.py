@@ -47,24 +47,22 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(cast: type, what: str) -> Any:
+    """An argparse type: ``cast(text)`` when it is > 0, else an error naming ``what`` was expected."""
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _positive(int, "a positive integer")
+_positive_float = _positive(float, "a positive number")
 
 
 def _drafter_list(text: str) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ubatch.bench.kernels import hidden_kernel_fraction, kernel_costs, profile_kernels
-from ubatch.bench.measure import EagerRuns, Measurement, median_ms
+from ubatch.bench.measure import Measurement, median_ms, unsplit_call
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode
 from ubatch.graphed import GraphedModel, uniform_token_count
@@ -38,21 +38,21 @@ GRAPH_MODES = {"decode": CUDAGraphMode.FULL, "prefill": CUDAGraphMode.PIECEWISE,
 
 def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraphMode, warmup: int, repeats: int,
                    sm_partition: Any = None, chrome_trace: str | None = None) -> Measurement:
-    """Graph-replayed baseline and ubatched step, with the eager figures beside them."""
-    eager = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
-    eager_baseline_ms = median_ms(eager.baseline, eager.device, warmup=warmup, repeats=repeats)
+    """Graph-replayed baseline and ubatched step, with the eager unsplit step beside them."""
+    device = model.device
+    eager_baseline_ms = median_ms(unsplit_call(model, step), device, warmup=warmup, repeats=repeats)
     graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=_blocks_per_request(model, step),
                            ubatch_counts=(1, num_ubatches), uniform_token_count=1, modes=(mode,),
                            sm_partition=sm_partition)
     try:
         graphed.capture()
         baseline, ubatched = (replay_call(graphed, step, n, mode) for n in (1, num_ubatches))
-        capture_time_ms = {n: median_ms(fn, eager.device, warmup=1, repeats=3)
+        capture_time_ms = {n: median_ms(fn, device, warmup=1, repeats=3)
                            for n, fn in ((1, baseline), (num_ubatches, ubatched))}
-        baseline_ms = median_ms(baseline, eager.device, warmup=warmup, repeats=repeats)
-        ubatched_ms = median_ms(ubatched, eager.device, warmup=warmup, repeats=repeats)
-        compute_ms, comm_ms = kernel_costs(profile_kernels(baseline, eager.device))
-        kernels = profile_kernels(ubatched, eager.device, chrome_trace=chrome_trace)
+        baseline_ms = median_ms(baseline, device, warmup=warmup, repeats=repeats)
+        ubatched_ms = median_ms(ubatched, device, warmup=warmup, repeats=repeats)
+        compute_ms, comm_ms = kernel_costs(profile_kernels(baseline, device))
+        kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
     finally:
         graphed.release()
     return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],

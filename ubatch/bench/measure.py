@@ -4,7 +4,7 @@ Every figure of a result comes from the same process and run. The compute and co
 times come from a traced single-ubatch run (the same kernels, strictly serial: each collective
 waits for the compute before it and the compute after it waits for the collective), so the ideal
 speedup (C+M)/max(C,M) is measured, not modelled. ``ubatch.bench.graphs`` times graph replays of
-the same step and reuses these eager runs for its eager baseline.
+the same step, with ``unsplit_call`` for its eager baseline.
 """
 
 from __future__ import annotations
@@ -104,6 +104,17 @@ class Measurement:
         }
 
 
+def unsplit_call(model: Any, step: Step) -> Callable[[], Any]:
+    """A call that runs ``step`` through ``model`` eagerly, whole."""
+    def run() -> Any:
+        with torch.inference_mode(), set_forward_context(
+            step.attn_metadata, no_compile_layers=model.attention_layers, num_tokens=step.num_tokens,
+        ):
+            return model(step.input_ids, step.positions)
+
+    return run
+
+
 class EagerRuns:
     """The eager runs of one step: unsplit, ubatched, and serial on a one-ubatch scheduler.
 
@@ -128,7 +139,7 @@ class EagerRuns:
             return runnable()
 
     def baseline(self) -> Any:
-        return self._run(None, lambda: self.model(self.step.input_ids, self.step.positions))
+        return unsplit_call(self.model, self.step)()
 
     def ubatched(self) -> Any:
         return self._run(self.slices, lambda: self.wrapper(self.step.input_ids, self.step.positions))
