@@ -14,7 +14,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -126,10 +125,6 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=cpu_group)  # tear down in step: gloo aborts a rank whose peer left mid-teardown
         dist.destroy_process_group()
-    # Skip interpreter teardown: after ubatched gloo steps, torch sometimes aborts there (SIGABRT,
-    # "terminate called without an active exception") although the run succeeded.
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,6 @@ def _entry(
         raise
     finally:
         dist.destroy_process_group()
-    # Skip interpreter teardown: after ubatched gloo collectives torch sometimes aborts there
-    # (SIGABRT, "terminate called without an active exception") although the rank succeeded.
-    os._exit(0)
 
 
 def run_distributed(

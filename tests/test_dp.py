@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,20 @@ def test_dp_cpu_group_survives_a_new_default_group(tmp_path, monkeypatch):
             assert decision.num_tokens_across_dp == [4]
         finally:
             dist.destroy_process_group()
+
+
+def test_dp_cpu_group_cache_keeps_no_group_alive_after_teardown(tmp_path):
+    """The cache holds its groups weakly: once the process group is torn down and the caller
+    lets go, the gloo group is gone (one left for interpreter exit can abort the process)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        group = dp_cpu_group(timeout_s=5)
+        assert dp_cpu_group(timeout_s=5) is group, "a group in use is reused"
+        alive = weakref.ref(group)
+        del group
+    finally:
+        dist.destroy_process_group()
+    assert alive() is None
 
 
 def test_vote_rules_two_ranks_gloo():

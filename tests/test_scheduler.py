@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import weakref
 
 import greenlet
 import pytest
@@ -188,3 +189,32 @@ def test_one_scheduler_from_two_threads():
     for t in threads:
         t.join(timeout=60)
     assert not errors and results == {"a": [0, 1], "b": [0, 1]}
+
+
+def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_gc():
+    """Parked workers hold no reference to their last task's result, and nothing ties the
+    scheduler, its states and its workers in a cycle: dropping it frees everything at once
+    (a cycle left them to the garbage collector, which ran them down at interpreter exit)."""
+    class Payload:
+        pass
+
+    made = []
+
+    def task():
+        payload = Payload()
+        made.append(weakref.ref(payload))
+        yield_ubatch()
+        return payload
+
+    gc.disable()
+    try:
+        scheduler = UbatchScheduler(2, "cpu")
+        outputs = scheduler.run([task, task])
+        assert len(outputs) == 2
+        del outputs
+        assert [ref() for ref in made] == [None, None]
+        dropped = weakref.ref(scheduler)
+        del scheduler
+        assert dropped() is None
+    finally:
+        gc.enable()

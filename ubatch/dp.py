@@ -9,6 +9,7 @@ device, and all ranks apply the same rules to the gathered votes.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,10 @@ __all__ = ["DPBatchDecision", "DPMetadata", "coordinate_batch_across_dp", "dp_cp
 
 # (id of the default group, member ranks, timeout) -> gloo group; new_group is collective, so
 # each group is created once and reused every step.
-_cpu_groups: dict[tuple[int, tuple[int, ...], float | None], tuple[Any, Any]] = {}
+# (id of the default group, ranks, timeout) -> weak references to (that default group, the gloo
+# group). Weak, so the cache never keeps a process group alive: one that outlives its users is
+# destroyed at interpreter exit, where gloo's teardown can abort the process.
+_cpu_groups: dict[tuple[int, tuple[int, ...], float | None], tuple[weakref.ref, weakref.ref]] = {}
 _VOTE_LEN = 5  # fields in _Vote.as_list()
 
 
@@ -126,10 +130,12 @@ def local_batch_decision(
 
 
 def dp_cpu_group(group: Any = None, *, timeout_s: float | None = None) -> Any:
-    """A gloo group over ``group``'s ranks (default: the whole world), created once and cached.
+    """A gloo group over ``group``'s ranks (default: the whole world), cached while in use.
 
     ``group`` itself when it is already gloo and no timeout is asked for. A new group is created
     only by its members (``use_local_synchronization``), so a DP group that is a subgroup works.
+    The cache holds it weakly: callers keep it (the runner does) for as long as they vote, and
+    every member rank makes the same calls, so a group dropped and made again stays matched.
     None when there is no process group.
     """
     if not dist.is_initialized():
@@ -141,12 +147,14 @@ def dp_cpu_group(group: Any = None, *, timeout_s: float | None = None) -> Any:
     ranks = tuple(dist.get_process_group_ranks(group))
     # An entry belongs to the default group it was made under (a new init may reuse the id).
     key = (id(dist.group.WORLD), ranks, timeout_s)
-    if key not in _cpu_groups or _cpu_groups[key][0] is not dist.group.WORLD:
+    world_ref, group_ref = _cpu_groups.get(key, (lambda: None, lambda: None))
+    cpu_group = group_ref() if world_ref() is dist.group.WORLD else None
+    if cpu_group is None:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        _cpu_groups[key] = (dist.group.WORLD, dist.new_group(list(ranks), backend="gloo", timeout=timeout,
-                                                            use_local_synchronization=True))
+        cpu_group = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+        _cpu_groups[key] = (weakref.ref(dist.group.WORLD), weakref.ref(cpu_group))
         logger.debug("created a gloo group over ranks %s for DP coordination", ranks)
-    return _cpu_groups[key][1]
+    return cpu_group
 
 
 def _gather_votes(vote: _Vote, group: Any) -> list[_Vote]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -68,6 +69,12 @@ class UbatchState:
     comm_done_event: Any = None
     grad_enabled: bool = True
     segment_start: Any = None
+    outcome: tuple[str, Any] | None = None  # ("done" | "error" | "aborted", value), left by the worker
+
+    def take_outcome(self) -> tuple[str, Any]:
+        """The finished task's outcome, dropped from the state (the state outlives the step)."""
+        outcome, self.outcome = self.outcome, None
+        return outcome
 
     def yield_now(self) -> None:
         self.scheduler._yield_from(self)
@@ -163,7 +170,9 @@ class UbatchScheduler:
             self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
 
     def _make_state(self, i: int) -> UbatchState:
-        state = UbatchState(ubatch_id=i, scheduler=self)
+        # A weak back-reference: a cycle would leave the scheduler, its pool and its parked
+        # greenlets to the garbage collector, which may only run them down at interpreter exit.
+        state = UbatchState(ubatch_id=i, scheduler=weakref.proxy(self))
         if self.is_cuda:
             state.compute_stream = self.compute_streams[i]
             state.handoff_event = torch.cuda.Event()
@@ -220,6 +229,9 @@ class UbatchScheduler:
         if pool.driver is not None:
             raise RuntimeError("UbatchScheduler.run is not re-entrant: a ubatch called it again")
         pool.driver = greenlet.getcurrent()
+        for worker in pool.workers:  # a finished worker parks by switching to its parent
+            if worker.parent is not pool.driver:
+                worker.parent = pool.driver
         caller_stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
         grad_enabled = torch.is_grad_enabled()
         try:
@@ -253,7 +265,9 @@ class UbatchScheduler:
                     kind, value = pool.workers[i].switch(None)
                 else:
                     started[i] = True
-                    kind, value = pool.workers[i].switch((state, tasks[i], pool, contextvars.copy_context()))
+                    kind, value = pool.workers[i].switch((state, tasks[i], contextvars.copy_context()))
+                if kind == _FINISHED[0]:
+                    kind, value = state.take_outcome()
                 self._leave(state)
                 previous = state
                 if kind == "yield":
@@ -288,6 +302,8 @@ class UbatchScheduler:
         for j in suspended:
             self._enter(states[j], None)
             kind, value = pool.workers[j].throw(UbatchAborted())
+            if kind == _FINISHED[0]:
+                kind, value = states[j].take_outcome()
             self._leave(states[j])
             if kind == "error":
                 logger.warning("ubatch %d also failed while aborting: %r", j, value)
@@ -305,13 +321,22 @@ class UbatchScheduler:
         self._local.pool.driver.switch(("yield", None))
 
 
-def _worker_loop(first: tuple[UbatchState, Callable[[], Any], _Pool, contextvars.Context]) -> None:
-    """A persistent ubatch: run one task per call, report back, park until the next call."""
-    job = first
+_FINISHED = ("finished", None)
+
+
+def _worker_loop(job: tuple[UbatchState, Callable[[], Any], contextvars.Context]) -> None:
+    """A persistent ubatch: run one task per call, leave its outcome on its state, and park.
+
+    A parked worker holds no reference to its last task, context or result: they would keep
+    the step's tensors alive until the next call, and a reference back to the pool would tie
+    the pool and its workers in a cycle that only the garbage collector frees (at interpreter
+    exit that outlived ``destroy_process_group`` and aborted gloo ranks).
+    """
     while True:
-        state, task, pool, context = job
-        message = context.run(_run_task, state, task)
-        job = pool.driver.switch(message)
+        state, task, context = job
+        state.outcome = context.run(_run_task, state, task)
+        job = state = task = context = None
+        job = greenlet.getcurrent().parent.switch(_FINISHED)
 
 
 def _run_task(state: UbatchState, task: Callable[[], Any]) -> tuple[str, Any]:
