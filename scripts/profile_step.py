@@ -28,6 +28,7 @@ from ubatch.bench.workload import make_step
 from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
 from ubatch.sm import SMPartition
+from ubatch.trace import Interval, busy_ms
 
 COMPUTE, COMM = 0, 1
 
@@ -48,16 +49,6 @@ def kernel_records(trace: dict[str, Any], names: dict[str, int]) -> list[list[fl
         rows.append([name, kind, k["args"].get("stream", -1), k["ts"] - origin, k["ts"] + k["dur"] - origin,
                      launch - origin])
     return sorted(rows, key=lambda r: r[3])
-
-
-def _union_ms(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if s > end:
-            total, end = total + e - s, e
-        elif e > end:
-            total, end = total + e - end, e
-    return total / 1e3
 
 
 def summarize(rows: list[list[float]]) -> dict[str, float]:
@@ -81,7 +72,7 @@ def summarize(rows: list[list[float]]) -> dict[str, float]:
         "compute_sum_ms": round(sum(r[4] - r[3] for r in compute) / 1e3, 3),
         "comm_kernels": len(comm),
         "comm_sum_ms": round(sum(r[4] - r[3] for r in comm) / 1e3, 3),
-        "comm_busy_ms": round(_union_ms([(r[3], r[4]) for r in comm]), 3),
+        "comm_busy_ms": round(busy_ms([Interval(0, "comm", "", r[3] / 1e3, r[4] / 1e3) for r in comm], "comm"), 3),
         "compute_idle_host_ms": round(host_gap / 1e3, 3),
         "compute_idle_waiting_ms": round(wait_gap / 1e3, 3),
     }
