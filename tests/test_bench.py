@@ -147,3 +147,27 @@ def test_model_overrides_refuse_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+def _dropped_body(rank, world_size):
+    import torch.distributed as dist
+
+    from ubatch.bench.capacity import dropped_fractions
+    from ubatch.bench.workload import make_step
+    from ubatch.models import ModelConfig, build_model
+
+    config = ModelConfig.preset("tiny-moe", capacity_factor=0.5)
+    model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    step, _ = make_step(model, [16] * 4, seed=rank)
+    shares = dropped_fractions(model, step, 2)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, shares)
+    assert gathered[0] == gathered[1], "every rank reports the share over all ranks"
+    assert all(0.0 < s < 1.0 for s in shares.values()), shares
+    assert all(int(c) == 0 for c in model.overflow_counters().values()), "counters are left reset"
+
+
+def test_dropped_share_is_summed_over_expert_parallel_ranks():
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_dropped_body, 2)
