@@ -24,11 +24,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DPBatchDecision", "DPMetadata", "coordinate_batch_across_dp", "dp_cpu_group", "local_batch_decision"]
 
-# (id of the default group, member ranks, timeout) -> gloo group; new_group is collective, so
-# each group is created once and reused every step.
-# (id of the default group, ranks, timeout) -> weak references to (that default group, the gloo
-# group). Weak, so the cache never keeps a process group alive: one that outlives its users is
-# destroyed at interpreter exit, where gloo's teardown can abort the process.
+# (id of the default group, member ranks, timeout) -> weak references to (that default group, the
+# gloo group). new_group is collective, so each group is created once and reused every step;
+# torch.distributed itself keeps it until destroy_process_group. Weak, so the cache never keeps a
+# process group past that: one left for interpreter exit can make gloo's teardown abort.
 _cpu_groups: dict[tuple[int, tuple[int, ...], float | None], tuple[weakref.ref, weakref.ref]] = {}
 _VOTE_LEN = 5  # fields in _Vote.as_list()
 
@@ -134,9 +133,8 @@ def dp_cpu_group(group: Any = None, *, timeout_s: float | None = None) -> Any:
 
     ``group`` itself when it is already gloo and no timeout is asked for. A new group is created
     only by its members (``use_local_synchronization``), so a DP group that is a subgroup works.
-    The cache holds it weakly: callers keep it (the runner does) for as long as they vote, and
-    every member rank makes the same calls, so a group dropped and made again stays matched.
-    None when there is no process group.
+    The cache holds it weakly: it lives until ``destroy_process_group`` (torch keeps it) or its
+    last user lets go, whichever is later. None when there is no process group.
     """
     if not dist.is_initialized():
         return None
