@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,27 @@ def _entry(
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # tear down together: gloo aborts a rank whose peer closed mid-teardown
+        destroy_and_check_released()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
-    finally:
-        dist.destroy_process_group()
+
+
+def destroy_and_check_released() -> None:
+    """``destroy_process_group``, then fail if any group outlived it.
+
+    A group kept alive (typically by a reference cycle) keeps gloo's worker threads running into
+    interpreter exit, where one that drops a finished collective's tensors needs the GIL and
+    aborts the process (pytorch/pytorch#190489): a rare SIGABRT, caught here deterministically.
+    """
+    groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+    dist.destroy_process_group()
+    alive = [group() for group in groups if group() is not None]
+    if alive:
+        raise AssertionError(f"{len(alive)} process group(s) outlived destroy_process_group: "
+                             f"something still references {alive}")
 
 
 def run_distributed(

@@ -180,10 +180,11 @@ def make_prompts(config: ModelConfig, lengths: tuple[int, ...], seed: int) -> li
 def record_steps(runner: ModelRunner) -> list[tuple[int, DPBatchDecision]]:
     """Keep (real tokens of this rank, decision) of every step."""
     steps: list[tuple[int, DPBatchDecision]] = []
-    decide = runner.decide
+    decide = type(runner).decide
+    owner = weakref.ref(runner)  # a strong reference would make a cycle that holds the process groups
 
     def recording(num_tokens: int, **kwargs: Any) -> DPBatchDecision:
-        decision = decide(num_tokens, **kwargs)
+        decision = decide(owner(), num_tokens, **kwargs)
         steps.append((num_tokens, decision))
         return decision
 
@@ -210,8 +211,8 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
     replayed = []
     if graphs:
         runner.capture_graphs()
-        replay = runner.graphs.replay
-        runner.graphs.replay = lambda desc, *a: replayed.append(desc) or replay(desc, *a)
+        replay = weakref.WeakMethod(runner.graphs.replay)
+        runner.graphs.replay = lambda desc, *a: replayed.append(desc) or replay()(desc, *a)
     for name, loads in LOADS[world_size].items():
         prompts = [make_prompts(config, lengths, seed=r) for r, (lengths, _) in enumerate(loads)]
         limits = [list(limit) for _, limit in loads]
