@@ -237,6 +237,25 @@ def test_decode_batch_and_uniform_multi_token(heads):
     sc.check_cache()
 
 
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_runs_of_equal_query_lengths_take_one_sdpa_each(heads, monkeypatch):
+    """Consecutive requests with equal query lengths but different contexts share one SDPA call."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or sdpa(q, *a, **kw))
+    sc = Scenario([12, 9, 15, 6, 10], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=3)
+    sc.step([(0, 3), (1, 3), (2, 5), (3, 2), (4, 2)], num_pad=2)
+    assert calls == [2, 1, 2]
+    calls.clear()
+    sc.step([(0, 4), (1, 4), (2, 4), (3, 1), (4, 1)])  # contexts 7, 7, 9, then 3, 3
+    assert calls == [3, 2]
+    calls.clear()
+    sc.step([(3, 0), (0, 1), (1, 1)])  # an empty request is a run with nothing to attend
+    assert calls == [2]
+    sc.check_cache()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_mixed_batches(seed):
     rng = random.Random(seed)
