@@ -1,6 +1,6 @@
-"""ubatch-bench on CPU: --quick writes a consistent report and a timeline plot; --graphs refuses
-to run without CUDA; the kernel arithmetic behind --graphs' hidden fraction; the auto policy
-picks nothing for graph replays."""
+"""ubatch-bench on CPU, single process and under torchrun: --quick writes a consistent report
+and a timeline plot; --graphs refuses to run without CUDA; the kernel arithmetic behind --graphs'
+hidden fraction and the comm stretch; the auto policy picks nothing for graph replays."""
 
 import json
 from argparse import Namespace
@@ -25,6 +25,7 @@ def test_quick_run_writes_report_and_plot(tmp_path, capsys):
             assert abs(r["hideable_comm_fraction"] - min(r["compute_ms"], r["comm_ms"]) / r["comm_ms"]) < 1e-3
         else:
             assert r["hideable_comm_fraction"] is None
+        assert r["comm_stretch"] is None and r["ubatched_comm_ms"] is None, "host-observed on CPU: not reported"
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
 
@@ -171,3 +172,48 @@ def test_dropped_share_is_summed_over_expert_parallel_ranks():
     from tests.dist_utils import run_distributed
 
     run_distributed(_dropped_body, 2)
+
+
+def test_comm_stretch_is_the_ubatched_comm_busy_time_over_m():
+    from ubatch.bench.measure import Measurement, _device_busy_ms
+    from ubatch.trace import Interval
+
+    timeline = [Interval(0, "compute", "c", 0.0, 4.0), Interval(0, "comm", "a2a", 4.0, 7.0),
+                Interval(1, "compute", "c", 4.0, 8.0), Interval(1, "comm", "a2a", 6.5, 9.0)]
+    busy = _device_busy_ms(timeline, torch.device("cuda"))
+    assert busy == (8.0, 5.0), "overlapping intervals of one kind count once"
+    assert _device_busy_ms(timeline, torch.device("cpu")) is None
+    m = Measurement(10.0, 6.0, 8.0, 4.0, 0.5, timeline, eager_baseline_ms=10.0, ubatched_busy_ms=busy)
+    row = m.as_dict()
+    assert row["comm_stretch"] == 1.25 and row["ubatched_comm_ms"] == 5.0 and row["ubatched_compute_ms"] == 8.0
+    assert Measurement(10.0, 6.0, 8.0, 0.0, None, [], eager_baseline_ms=10.0, ubatched_busy_ms=busy).comm_stretch is None
+
+
+def _torchrun_bench(tmp_path, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ubatch.bench",
+           "--quick", "--out", str(out), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("M stretch") == 1, "only rank 0 prints the table"
+    return json.loads(out.read_text())["results"]
+
+
+def test_bench_under_torchrun_on_two_cpu_ranks(tmp_path):
+    (r,) = _torchrun_bench(tmp_path, "--device", "cpu")
+    assert r["world_size"] == 2 and r["comm_ms"] > 0, "two EP ranks exchange tokens"
+    assert r["comm_stretch"] is None
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_bench_under_torchrun_on_two_gpus_reports_the_comm_stretch(tmp_path, graphs):
+    (r,) = _torchrun_bench(tmp_path, "--preset", "tiny-moe", *(["--graphs"] if graphs else []))
+    assert r["world_size"] == 2 and r["comm_ms"] > 0 and r["graphs"] is graphs
+    assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2)

@@ -52,7 +52,8 @@ def test_graphs_decode_report_on_one_gpu(tmp_path, capsys):
     assert r["baseline_ms"] > 0 and r["ubatched_ms"] > 0 and r["eager_baseline_ms"] > 0 and r["compute_ms"] > 0
     assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ubatched_ms"], abs=1e-2)
     assert r["comm_ms"] >= 0 and r["ideal_speedup"] >= 1.0
-    assert r["hidden_comm_fraction"] is None  # one rank: no NCCL kernels
+    assert r["hidden_comm_fraction"] is None and r["comm_stretch"] is None  # one rank: no NCCL kernels
+    assert r["ubatched_compute_ms"] > 0 and r["ubatched_comm_ms"] == 0
     (point,) = report["auto"]["points"]
     assert point["choice"] in (1, 2) and point["best"] in (1, 2) and set(r["capture_time_ms"]) == {"1", "2"}
     kernels = kernels_in_trace(json.loads(trace.read_text()))

@@ -11,8 +11,9 @@ request), PIECEWISE for prefill and mixed steps. Then, for one step:
   in one replay of the unsplit graph, from the kernels torch.profiler records
   (``ubatch.bench.kernels``). Not the eager trace: where an eager step is host-bound its
   launch gaps would count as compute;
-- ``hidden_comm_fraction``: from the kernels of one replayed ubatched step; None when there
-  are no NCCL kernels (one rank);
+- ``hidden_comm_fraction``, ``ubatched_compute_ms``, ``ubatched_comm_ms`` and ``comm_stretch``:
+  from the kernels of one replayed ubatched step; None (the fraction) when there are no NCCL
+  kernels (one rank);
 - ``capture_time_ms``: a short, separate timing of both graphs right after capture, what a
   runner can afford at start-up; the auto policy picks the faster per size from it.
 
@@ -56,7 +57,8 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
     finally:
         graphed.release()
     return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],
-                       eager_baseline_ms=eager_baseline_ms, graphs=True, capture_time_ms=capture_time_ms)
+                       eager_baseline_ms=eager_baseline_ms, graphs=True, capture_time_ms=capture_time_ms,
+                       ubatched_busy_ms=kernel_costs(kernels))
 
 
 def _blocks_per_request(model: Any, step: Step) -> int:

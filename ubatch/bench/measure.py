@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ubatch.bench.workload import Step
 from ubatch.context import set_forward_context
 from ubatch.scheduler import UbatchScheduler
-from ubatch.trace import Interval, hidden_comm_fraction
+from ubatch.trace import Interval, busy_ms, hidden_comm_fraction
 from ubatch.wrapper import UBatchWrapper
 
 
@@ -61,6 +61,7 @@ class Measurement:
     eager_baseline_ms: float
     graphs: bool = False
     capture_time_ms: dict[int, float] | None = None
+    ubatched_busy_ms: tuple[float, float] | None = None  # (compute, comm) busy in one ubatched step
 
     @property
     def speedup(self) -> float:
@@ -76,6 +77,15 @@ class Measurement:
         """The most of the communication that compute can cover, min(C, M) / M: a step with
         more communication than compute (M > C) cannot hide all of it, however it is split."""
         return None if self.comm_ms <= 0 else min(self.compute_ms, self.comm_ms) / self.comm_ms
+
+    @property
+    def comm_stretch(self) -> float | None:
+        """How much longer communication was busy in the ubatched step than in the unsplit one
+        (M): above 1 when collectives run slower beside compute or cost more split. Where the
+        step is bound by communication, this caps the speedup below the ideal."""
+        if self.ubatched_busy_ms is None or self.comm_ms <= 0:
+            return None
+        return self.ubatched_busy_ms[1] / self.comm_ms
 
     @property
     def efficiency(self) -> float | None:
@@ -99,6 +109,9 @@ class Measurement:
             else round(self.hidden_comm_fraction, 4),
             "hideable_comm_fraction": None if self.hideable_comm_fraction is None
             else round(self.hideable_comm_fraction, 4),
+            "ubatched_compute_ms": None if self.ubatched_busy_ms is None else round(self.ubatched_busy_ms[0], 4),
+            "ubatched_comm_ms": None if self.ubatched_busy_ms is None else round(self.ubatched_busy_ms[1], 4),
+            "comm_stretch": None if self.comm_stretch is None else round(self.comm_stretch, 4),
             "capture_time_ms": None if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
@@ -177,4 +190,12 @@ def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: 
     compute_ms, comm_ms = runs.serial_costs()
     timeline = runs.traced(runs.ubatched)
     return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_comm_fraction(timeline), timeline,
-                       eager_baseline_ms=baseline_ms)
+                       eager_baseline_ms=baseline_ms, ubatched_busy_ms=_device_busy_ms(timeline, runs.device))
+
+
+def _device_busy_ms(timeline: list[Interval], device: torch.device) -> tuple[float, float] | None:
+    """(compute, comm) busy in a traced step, from CUDA events; None on CPU, where a collective's
+    interval is host-observed and includes the time its ubatch sat parked."""
+    if device.type != "cuda":
+        return None
+    return busy_ms(timeline, "compute"), busy_ms(timeline, "comm")
