@@ -156,6 +156,19 @@ def test_skip_attention_reaches_every_drafter_forward(skip_attention):
     assert drafter.num_computed(0) == 7 and drafter.num_computed(1) == 3
 
 
+def test_drafts_of_a_batch_with_unequal_draft_counts_equal_each_request_drafted_alone():
+    """Requests that have drafted enough drop out of later draft steps; the rest keep feeding
+    their own last draft (kept on the device between steps)."""
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    requests = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1, 2], 1), DraftRequest(1, [7, 8], [3, 4], 4),
+                DraftRequest(2, [9, 3, 6], [5, 6], 2), DraftRequest(3, [4], [7, 8], 3)]
+    together = DraftModel(model, num_kv_blocks=9, block_size=4).propose(requests)
+    alone = [DraftModel(model, num_kv_blocks=9, block_size=4).propose([r])[0] for r in requests]
+    assert [len(d) for d in together] == [1, 4, 2, 3]
+    assert together == alone
+
+
 def test_drafter_rollback_and_forget():
     config = ModelConfig.preset("tiny")
     drafter = DraftModel(build_model(config, device="cpu"), num_kv_blocks=4, block_size=4)

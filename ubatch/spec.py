@@ -124,60 +124,72 @@ class DraftModel:
 
     def propose(self, requests: Sequence[DraftRequest], *, skip_attention: bool = False) -> list[list[int]]:
         """``num_drafts`` greedy tokens per request; ``skip_attention`` reaches every forward's
-        context (a graph manager sets it for piecewise warm-up and capture)."""
+        context (a graph manager sets it for piecewise warm-up and capture).
+
+        Each draft step feeds the previous step's argmax to the next on the device, so the host
+        waits for the GPU once per proposal, not once per draft step."""
         if not requests:
             return []
-        drafts = self.prepare(requests, skip_attention=skip_attention)
+        rows = list(range(len(requests)))
+        last = self.prepare(requests, skip_attention=skip_attention)
+        produced = [(rows, last)]
         for step in range(1, max(r.num_drafts for r in requests)):
-            live = [i for i, r in enumerate(requests) if r.num_drafts > step]
-            tokens = self.draft_step([requests[i] for i in live], [drafts[i][-1] for i in live], step,
-                                     skip_attention=skip_attention)
-            for i, token in zip(live, tokens):
-                drafts[i].append(token)
+            live = [i for i in rows if requests[i].num_drafts > step]
+            if len(live) < len(rows):  # requests that drafted enough drop out (live is a subset of rows)
+                position = {r: p for p, r in enumerate(rows)}
+                last = last[torch.tensor([position[i] for i in live], device=last.device)]
+            rows = live
+            last = self.draft_step([requests[i] for i in rows], last, step, skip_attention=skip_attention)
+            produced.append((rows, last))
+        values = iter(torch.cat([tokens for _, tokens in produced]).tolist())
+        drafts: list[list[int]] = [[] for _ in requests]
+        for step_rows, _ in produced:
+            for i in step_rows:
+                drafts[i].append(next(values))
         for request in requests:
             self._computed[request.request_id] = len(request.token_ids) + request.num_drafts - 1
         return drafts
 
-    def prepare(self, requests: Sequence[DraftRequest], *, skip_attention: bool = False) -> list[list[int]]:
-        """Catch every request up to its last token and return its first draft."""
+    def prepare(self, requests: Sequence[DraftRequest], *, skip_attention: bool = False) -> torch.Tensor:
+        """Catch every request up to its last token; its first draft, one per request, on the device."""
         for r in requests:
             if r.num_drafts < 1:
                 raise ValueError(f"request {r.request_id}: num_drafts must be >= 1, got {r.num_drafts}")
         starts = [min(self.num_computed(r.request_id), len(r.token_ids) - 1) for r in requests]
-        chunks = [(r, start, list(r.token_ids[start:])) for r, start in zip(requests, starts)]
-        return [[t] for t in self._forward(chunks, skip_attention=skip_attention)]
+        token_ids = [t for r, start in zip(requests, starts) for t in r.token_ids[start:]]
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
+        chunks = [(r, start, len(r.token_ids) - start) for r, start in zip(requests, starts)]
+        return self._forward(chunks, ids, skip_attention=skip_attention)
 
-    def draft_step(self, requests: Sequence[DraftRequest], last_drafts: Sequence[int], step: int, *,
-                   skip_attention: bool = False) -> list[int]:
-        """The next draft of each request once ``step`` drafts exist: feed the last one, one token
-        each, at its position."""
-        chunks = [(r, len(r.token_ids) + step - 1, [t]) for r, t in zip(requests, last_drafts)]
-        return self._forward(chunks, skip_attention=skip_attention)
+    def draft_step(self, requests: Sequence[DraftRequest], last_drafts: torch.Tensor, step: int, *,
+                   skip_attention: bool = False) -> torch.Tensor:
+        """The next draft of each request once ``step`` drafts exist: feed the last one
+        (``last_drafts``, on the device), one token each, at its position."""
+        chunks = [(r, len(r.token_ids) + step - 1, 1) for r in requests]
+        return self._forward(chunks, last_drafts, skip_attention=skip_attention)
 
-    def _forward(self, chunks: list[tuple[DraftRequest, int, list[int]]], *,
-                 skip_attention: bool = False) -> list[int]:
-        """Run ``(request, start position, tokens)`` chunks as one batch; argmax at each chunk's
-        last token."""
+    def _forward(self, chunks: list[tuple[DraftRequest, int, int]], input_ids: torch.Tensor, *,
+                 skip_attention: bool = False) -> torch.Tensor:
+        """Run ``(request, start position, number of tokens)`` chunks, whose tokens are
+        ``input_ids``, as one batch; the argmax at each chunk's last token, on the device."""
         bs, device = self.block_size, self.model.device
-        input_ids, positions, slots, last = [], [], [], []
-        for request, start, tokens in chunks:
-            stop = start + len(tokens)
-            input_ids += tokens
+        positions, slots, last = [], [], []
+        for request, start, num_tokens in chunks:
+            stop = start + num_tokens
             positions += range(start, stop)
             slots += (request.blocks[p // bs] * bs + p % bs for p in range(start, stop))
-            last.append(len(input_ids) - 1)
+            last.append(len(positions) - 1)
         width = max(len(r.blocks) for r, _, _ in chunks)
         table = torch.tensor([list(r.blocks) + [0] * (width - len(r.blocks)) for r, _, _ in chunks],
                              dtype=torch.int32)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        metadata = build_attention_metadata([len(t) for _, _, t in chunks], [s + len(t) for _, s, t in chunks],
+        metadata = build_attention_metadata([n for _, _, n in chunks], [s + n for _, s, n in chunks],
                                             table, slot_mapping, device=device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         with torch.inference_mode(), self._bound_cache():
-            hidden = self._run(ids, pos, metadata, skip_attention=skip_attention)
+            hidden = self._run(input_ids, pos, metadata, skip_attention=skip_attention)
             index = torch.tensor(last, dtype=torch.int64, device=device)
-            tokens = self.model.compute_logits(hidden[index]).argmax(dim=-1).tolist()
+            tokens = self.model.compute_logits(hidden[index]).argmax(dim=-1)
         self._clear_overflow()
         return tokens
 
