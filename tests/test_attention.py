@@ -256,6 +256,20 @@ def test_runs_of_equal_query_lengths_take_one_sdpa_each(heads, monkeypatch):
     sc.check_cache()
 
 
+@settings(max_examples=100, deadline=None)
+@given(query_lens=st.lists(st.integers(0, 3), max_size=12))
+def test_equal_query_runs_partition_requests_into_maximal_runs(query_lens):
+    from ubatch.attention.backends import _equal_query_runs
+
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    runs = _equal_query_runs(starts)
+    assert [r for first, last in runs for r in range(first, last)] == list(range(len(query_lens)))
+    assert all(len({query_lens[r] for r in range(first, last)}) == 1 for first, last in runs)
+    assert all(query_lens[a[1] - 1] != query_lens[b[0]] for a, b in zip(runs, runs[1:])), "runs are maximal"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_mixed_batches(seed):
     rng = random.Random(seed)
