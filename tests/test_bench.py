@@ -217,3 +217,18 @@ def test_bench_under_torchrun_on_two_gpus_reports_the_comm_stretch(tmp_path, gra
     (r,) = _torchrun_bench(tmp_path, "--preset", "tiny-moe", *(["--graphs"] if graphs else []))
     assert r["world_size"] == 2 and r["comm_ms"] > 0 and r["graphs"] is graphs
     assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2)
+
+
+def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
+    """With glibc's defaults a freed 64 MB tensor goes back to the OS and the next one faults in
+    16k fresh pages; the bench keeps it, so CPU timings do not reward smaller (split) buffers."""
+    import resource
+
+    from ubatch.bench.measure import keep_freed_cpu_memory
+
+    keep_freed_cpu_memory()
+    for _ in range(2):  # the heap grows to hold it (measured: the first two fault, later ones not)
+        torch.ones(16 << 20)  # 64 MB, touched, freed at once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ubatch.bench.capacity import dropped_fractions
 from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for, format_generation_table, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
-from ubatch.bench.measure import Measurement, measure
+from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
@@ -190,6 +190,8 @@ def _shape(args: argparse.Namespace, tokens: int) -> tuple[list[int], list[int]]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(args.device, local_rank)
+    if device.type == "cpu":
+        keep_freed_cpu_memory()
     rank, world = _init_distributed(device)
     preset = args.preset or {("moe", False): "tiny-moe", ("dense", False): "tiny",
                              ("moe", True): "moe-bench", ("dense", True): "dense-bench"}[(args.model, device.type == "cuda")]

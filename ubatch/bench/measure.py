@@ -9,6 +9,8 @@ the same step, with ``unsplit_call`` for its eager baseline.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +25,27 @@ from ubatch.context import set_forward_context
 from ubatch.scheduler import UbatchScheduler
 from ubatch.trace import Interval, busy_ms, hidden_comm_fraction
 from ubatch.wrapper import UBatchWrapper
+
+logger = logging.getLogger(__name__)
+
+
+def keep_freed_cpu_memory() -> None:
+    """Stop glibc from handing large freed blocks back to the OS, as CPU timings need.
+
+    Blocks above glibc's mmap threshold (adaptive, at most 32 MB) are unmapped on free, so a step
+    whose buffers are that large pays page faults on every call, and a split into smaller
+    buffers escapes them: a decode step of 256 tokens looked 2.8x faster split on CPU with no
+    communication at all. Raising the threshold makes both runs reuse heap memory. Process-wide;
+    a no-op where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        logger.debug("no glibc mallopt: CPU timings may include page faults of large buffers")
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    for option in (m_mmap_threshold, m_trim_threshold):
+        if not mallopt(option, 1 << 30):
+            logger.debug("mallopt(%d) refused: CPU timings may include page faults of large buffers", option)
 
 
 def drain(device: torch.device) -> None:
