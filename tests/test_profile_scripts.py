@@ -95,3 +95,11 @@ def test_schedule_bound_with_little_attention_leaves_comm_exposed_when_compute_b
     # compute-bound, tiny attention: after the experts, only attention can cover the next collective
     two = schedule_bound.step_ms(2, 8, 122.0, 73.0, 0.05)
     assert two > 122.0 + 0.3 * 73.0
+
+
+def test_schedule_bound_comm_stretch_slows_only_split_collectives():
+    c, m = 71.0, 126.0
+    assert schedule_bound.step_ms(1, 8, c, m, 0.2, comm_stretch=1.5) == pytest.approx(c + m)
+    stretched = schedule_bound.step_ms(2, 8, c, m, 0.2, comm_stretch=1.08)
+    assert 1.08 * m <= stretched < 1.08 * m + c / 8, "comm-bound: the stretched link plus some fill and drain"
+    assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
