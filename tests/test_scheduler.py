@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import contextvars
 import weakref
 
 import greenlet
@@ -189,6 +190,31 @@ def test_one_scheduler_from_two_threads():
     for t in threads:
         t.join(timeout=60)
     assert not errors and results == {"a": [0, 1], "b": [0, 1]}
+
+
+def test_a_live_scheduler_keeps_no_task_or_context_of_a_finished_run():
+    """A worker's first task came in as its start argument, which the greenlet kept for its
+    whole life: the first step's closure (and so a model and its process groups) and its
+    forward context stayed pinned while the scheduler lived."""
+    class Payload:
+        pass
+
+    gc.disable()
+    try:
+        scheduler = UbatchScheduler(2, "cpu")
+        for _ in range(2):
+            payloads = [Payload(), Payload()]
+            held = [weakref.ref(p) for p in payloads]
+            marker = contextvars.ContextVar("marker")
+            marker.set(Payload())
+            in_context = weakref.ref(marker.get())
+            scheduler.run([lambda p=p: (yield_ubatch(), p)[0] for p in payloads])
+            del payloads
+            marker.set(None)
+            assert [ref() for ref in held] == [None, None], "a finished task is still referenced"
+            assert in_context() is None, "a finished run's context copy is still referenced"
+    finally:
+        gc.enable()
 
 
 def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_gc():

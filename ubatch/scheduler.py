@@ -212,7 +212,9 @@ class UbatchScheduler:
             pool = _Pool()
             self._local.pool = pool
         while len(pool.workers) < self.num_ubatches:
-            pool.workers.append(greenlet.greenlet(_worker_loop))
+            worker = greenlet.greenlet(_worker_loop)
+            worker.switch()  # start it: it parks at once and takes every task as a switch value
+            pool.workers.append(worker)
         return pool
 
     def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -324,19 +326,21 @@ class UbatchScheduler:
 _FINISHED = ("finished", None)
 
 
-def _worker_loop(job: tuple[UbatchState, Callable[[], Any], contextvars.Context]) -> None:
-    """A persistent ubatch: run one task per call, leave its outcome on its state, and park.
+def _worker_loop() -> None:
+    """A persistent ubatch: park, then run each task it is switched to, leave the outcome on its
+    state, and park again.
 
     A parked worker holds no reference to its last task, context or result: they would keep
     the step's tensors alive until the next call, and a reference back to the pool would tie
     the pool and its workers in a cycle that only the garbage collector frees (at interpreter
-    exit that outlived ``destroy_process_group`` and aborted gloo ranks).
+    exit that outlived ``destroy_process_group`` and aborted gloo ranks). Tasks arrive as switch
+    values, never as the start argument: a greenlet keeps that for as long as it lives.
     """
     while True:
+        job = greenlet.getcurrent().parent.switch(_FINISHED)
         state, task, context = job
         state.outcome = context.run(_run_task, state, task)
         job = state = task = context = None
-        job = greenlet.getcurrent().parent.switch(_FINISHED)
 
 
 def _run_task(state: UbatchState, task: Callable[[], Any]) -> tuple[str, Any]:
