@@ -35,8 +35,9 @@ def keep_freed_cpu_memory() -> None:
     Blocks above glibc's mmap threshold (adaptive, at most 32 MB) are unmapped on free, so a step
     whose buffers are that large pays page faults on every call, and a split into smaller
     buffers escapes them: a decode step of 256 tokens looked 2.8x faster split on CPU with no
-    communication at all. Raising the threshold makes both runs reuse heap memory. Process-wide;
-    a no-op where the C library is not glibc."""
+    communication at all. Raising the threshold makes both runs reuse heap memory once the heap
+    has grown to hold them (within the first three calls: the warm-up). Process-wide; a no-op
+    where the C library is not glibc."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
