@@ -36,9 +36,10 @@ from ubatch.context import set_forward_context
 LAYER = "model.layers.0.attn"
 
 
-def reference_attention(q, k, v, start, scale):
-    """Dense causal attention in float64: ``q [n, H, D]`` at positions ``start..start+n-1``
-    over ``k``/``v`` ``[>= start+n, KVH, D]``; query head h reads KV head h // (H / KVH)."""
+def reference_attention(q, k, v, start, scale, causal=True):
+    """Dense attention in float64: ``q [n, H, D]`` at positions ``start..start+n-1`` over
+    ``k``/``v`` ``[>= start+n, KVH, D]`` (causal: up to each query's position; else all
+    ``start+n`` keys); query head h reads KV head h // (H / KVH)."""
     n, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
     k = k[: start + n].double().repeat_interleave(group, dim=1)
@@ -46,7 +47,8 @@ def reference_attention(q, k, v, start, scale):
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     key_pos = torch.arange(start + n).view(1, -1)
     query_pos = torch.arange(start, start + n).view(-1, 1)
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -254,6 +256,20 @@ def test_runs_of_equal_query_lengths_take_one_sdpa_each(heads, monkeypatch):
     sc.step([(3, 0), (0, 1), (1, 1)])  # an empty request is a run with nothing to attend
     assert calls == [2]
     sc.check_cache()
+
+
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_non_causal_runs_attend_each_request_whole_context(heads):
+    sc = Scenario([12, 9, 15, 6, 10], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=4)
+    sc.step([(0, 3), (1, 5), (2, 1), (3, 2), (4, 4)])  # cached contexts 3, 5, 1, 2, 4
+    chunks = [(0, 4), (1, 4), (2, 4), (3, 1), (4, 1)]  # runs {0, 1, 2} and {3, 4}, unequal contexts
+    q, k, v, md = sc.batch(chunks, num_pad=2)
+    md.causal = False
+    with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
+        out = sc.layer(q, k, v)
+    expect = torch.cat([reference_attention(sc.q[r][sc.done[r]:sc.done[r] + n], sc.k[r], sc.v[r], sc.done[r],
+                                            sc.layer.scale, causal=False) for r, n in chunks]).flatten(1)
+    torch.testing.assert_close(out[:md.num_actual_tokens].double(), expect, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=100, deadline=None)
