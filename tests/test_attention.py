@@ -496,6 +496,8 @@ def test_metadata_building_and_validation():
         build_attention_metadata([1, 5], [1, 4], torch.zeros(2, 2), torch.zeros(6))
     with pytest.raises(ValueError, match="block_table must be \\[num_reqs=2"):
         build_attention_metadata([1, 1], [1, 1], torch.zeros(3, 2), torch.zeros(2))
+    with pytest.raises(ValueError, match="negative block id -1: pad rows with a valid id such as 0"):
+        build_attention_metadata([1, 1], [1, 5], torch.tensor([[3, -1], [4, 5]]), torch.zeros(2))
 
 
 def test_paged_kv_cache_layout():

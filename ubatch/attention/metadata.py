@@ -23,7 +23,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs], device; context length incl. this step
     max_query_len: int
     max_seq_len: int
-    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req], device; padded with valid ids (0)
     slot_mapping: torch.Tensor  # int64 [num_tokens], device; -1 = padding (no KV write)
     query_start_loc_cpu: torch.Tensor  # int32 CPU copy of query_start_loc
     seq_lens_cpu: torch.Tensor  # int32 CPU copy of seq_lens
@@ -64,6 +64,11 @@ def build_attention_metadata(
         raise ValueError(
             f"block_table must be [num_reqs={len(seq_lens)}, max_blocks], "
             f"got shape {tuple(block_table.shape)}"
+        )
+    if block_table.device.type == "cpu" and block_table.numel() and int(block_table.min()) < 0:
+        raise ValueError(
+            f"block_table holds negative block id {int(block_table.min())}: pad rows with a valid "
+            f"id such as 0 (backends gather whole rows; keys past seq_len are masked, not skipped)"
         )
     num_tokens = sum(query_lens)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
