@@ -4,6 +4,8 @@ first failure in the parent (and stopping the other ranks at once)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -51,6 +53,17 @@ def destroy_and_check_released() -> None:
     if alive:
         raise AssertionError(f"{len(alive)} process group(s) outlived destroy_process_group: "
                              f"something still references {alive}")
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(nproc: int, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """``torch.distributed.run --standalone`` with ``nproc`` processes from the repo root, the
+    repo importable; ``args`` name the script (or ``-m module``) and its arguments."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def run_distributed(

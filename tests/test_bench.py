@@ -190,16 +190,10 @@ def test_comm_stretch_is_the_ubatched_comm_busy_time_over_m():
 
 
 def _torchrun_bench(tmp_path, *args: str):
-    import os
-    import subprocess
-    import sys
+    from tests.dist_utils import torchrun
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ubatch.bench",
-           "--quick", "--out", str(out), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    result = torchrun(2, "-m", "ubatch.bench", "--quick", "--out", str(out), *args, timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("M stretch") == 1, "only rank 0 prints the table"
     return json.loads(out.read_text())["results"]

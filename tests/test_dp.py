@@ -9,7 +9,6 @@ import functools
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -22,13 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, torchrun
 from ubatch.context import CUDAGraphMode
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 RUNNER = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
 
@@ -359,36 +357,33 @@ def test_failed_peer_makes_others_exit_with_clear_error(failure, message):
 # ----- torchrun ---------------------------------------------------------------------------------
 
 
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "scripts/torchrun_generate.py", "--device", "cpu", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+def torchrun_generate(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(nproc, "scripts/torchrun_generate.py", "--device", "cpu", *args)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_generate_prints_throughput(nproc):
-    result = torchrun(nproc, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
+    result = torchrun_generate(nproc, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     expected = rf"tiny-moe on {nproc} x cpu, num_ubatches=2: {3 * nproc} requests, {12 * nproc} tokens in .* tokens/s"
     assert re.search(expected, result.stdout)
 
 
 def test_torchrun_generate_names_a_world_size_that_does_not_fit():
-    result = torchrun(3, "--model", "moe")
+    result = torchrun_generate(3, "--model", "moe")
     assert result.returncode != 0
     assert "4 experts, which cannot be split evenly over world size 3" in result.stderr
 
 
 def test_torchrun_generate_num_experts_fits_the_preset_to_the_world_size():
-    result = torchrun(3, "--num-experts", "6", "--prompts-per-rank", "2", "--max-new-tokens", "3")
+    result = torchrun_generate(3, "--num-experts", "6", "--prompts-per-rank", "2", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"tiny-moe on 3 x cpu, num_ubatches=1: 6 requests, 18 tokens", result.stdout)
 
 
 @pytest.mark.slow
 def test_torchrun_generate_on_8_cpu_ranks_with_8_experts():
-    result = torchrun(8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3",
+    result = torchrun_generate(8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3",
                       "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"tiny-moe on 8 x cpu, num_ubatches=2: 16 requests, 48 tokens", result.stdout)
