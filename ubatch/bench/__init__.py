@@ -10,6 +10,7 @@ whole greedy generations instead, plain and speculative (see ``ubatch.bench.gene
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -208,7 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         partition.setup([group])
     results, first_timeline = [], None
 
+    @functools.lru_cache(maxsize=1)
     def step_at(tokens: int) -> Step:
+        """One step (and KV cache) per size, shared by its ubatch counts: sizes are swept outermost."""
         query, context = _shape(args, tokens)
         return make_step(model, query, context, seed=rank if config.kind == "moe" else 0)[0]
 

@@ -44,9 +44,10 @@ def make_step(
 ) -> tuple[Step, PagedKVCache]:
     """A step whose request r has ``context_lens[r]`` cached tokens and ``query_lens[r]`` new ones.
 
-    Without ``cache``, allocates a fresh KV cache filled with random values and binds it to the
-    model's attention layers; with one (already bound, e.g. under captured graphs), lays the
-    step's blocks out in it from block 0.
+    Without ``cache``, allocates a fresh KV cache filled with random values drawn on the model's
+    device (a host fill of a long-context decode cache takes minutes) and binds it to the model's
+    attention layers; with one (already bound, e.g. under captured graphs), lays the step's blocks
+    out in it from block 0.
     """
     context_lens = [0] * len(query_lens) if context_lens is None else list(context_lens)
     if len(context_lens) != len(query_lens):
@@ -60,8 +61,9 @@ def make_step(
             model.layer_names, num_blocks=sum(blocks), block_size=block_size,
             num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=cfg.dtype, device=device,
         )
+        fill = torch.Generator(device).manual_seed(seed)
         for name in model.layer_names:
-            cache[name].copy_(torch.randn(cache[name].shape, generator=gen).to(cfg.dtype))
+            cache[name].normal_(generator=fill)
         for name, layer in model.attention_layers.items():
             layer.kv_cache = cache[name]
     elif cache.block_size != block_size or cache.num_blocks < sum(blocks):
