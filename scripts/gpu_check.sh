@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm prefill prefill_green prefill_graphs balanced copy_engine mixed decode spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm prefill prefill_green prefill_graphs balanced mixed decode spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -33,9 +33,6 @@ if want prefill_graphs; then  # PIECEWISE graph replays, green partition
 fi
 if want balanced; then  # capped all-to-all payloads: C close to M, where N=3/4 should pay (schedule model)
   slow run2 240 $prefill --graphs --sm-partition green --capacity-factor 1.25 --tokens 2048,4096 --num-ubatches 2,3,4 --out "$OUT/moe_prefill_graphs_slowlink_green_cf1.25.json" --label slow-link-graphs-green-cf1.25 | tail -12
-fi
-if want copy_engine; then  # the slow link's SHM transport copied by copy engines instead of an SM beside the GEMMs
-  NCCL_SHM_USE_CUDA_MEMCPY=1 slow run2 200 $prefill --graphs --sm-partition green --tokens 2048,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_graphs_slowlink_ce_green.json" --label slow-link-copy-engine-graphs-green | tail -10
 fi
 if want mixed; then  # a quarter decodes: the torch attention backend batches each run of equal query lengths
   slow run2 200 -m ubatch.bench --model moe --workload mixed --prompt-len 512 --context-len 512 --policy auto --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_mixed_slowlink_green.json" --label slow-link-mixed-green | tail -10
