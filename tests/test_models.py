@@ -1,8 +1,10 @@
-"""Reference models: config validation, MoE dispatch against a direct computation, and
-tensor / expert parallelism over gloo matching the single-process model."""
+"""Reference models: config validation, the layers (RMSNorm, rotary, attention block) and MoE
+dispatch against direct computations, and tensor / expert parallelism over gloo matching the
+single-process model."""
 
 from __future__ import annotations
 
+import math
 import socket
 
 import pytest
@@ -11,7 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ubatch.bench.workload import make_step
+from ubatch.context import set_forward_context
 from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model
+from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
 from ubatch.runner import forward_sequences
 
@@ -68,6 +73,86 @@ def test_weights_are_deterministic_from_seed():
     c = build_model(ModelConfig.preset("tiny-moe", seed=1), device="cpu").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["embed"], c["embed"])
+
+
+# ----- layers against direct computations -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_float64_formula(dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-5, dtype=dtype, device=torch.device("cpu"))
+    norm.weight.data = torch.randn(48, generator=g).to(dtype)
+    x = (torch.randn(9, 48, generator=g) * 3).to(dtype)
+    xd = x.double()
+    expected = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    out = norm(x)
+    assert out.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def _rotate_complex(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """Neox rotary as complex multiplication: element i pairs with element i + head_dim / 2."""
+    heads = x.double().unflatten(-1, (-1, head_dim))
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+    turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64), positions.double()[:, None] * freqs)
+    z = torch.complex(heads[..., :half], heads[..., half:]) * turn[:, None, :]
+    return torch.cat([z.real, z.imag], dim=-1).flatten(1)
+
+
+def test_rotary_matches_complex_rotation_and_keeps_relative_positions():
+    head_dim, theta = 16, 10000.0
+    rotary = RotaryEmbedding(head_dim, theta, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 1, 5, 37, 1000, 4095])
+    x = torch.randn(len(positions), 3 * head_dim, generator=g)
+    # float32 angles carry an absolute error of about position * 6e-8 radians (2.4e-4 at 4095).
+    torch.testing.assert_close(rotary.rotate(positions, x).double(), _rotate_complex(x, positions, head_dim, theta),
+                               atol=1e-3, rtol=0)
+    # Rotating query and key heads together equals rotating them apart.
+    q, k = x[:, : 2 * head_dim], x[:, 2 * head_dim:]
+    both = rotary.rotate(positions, x)
+    torch.testing.assert_close(both, torch.cat([rotary.rotate(positions, q), rotary.rotate(positions, k)], dim=1))
+    # A query-key score depends only on the distance between their positions.
+    qv, kv = torch.randn(1, head_dim, generator=g), torch.randn(1, head_dim, generator=g)
+    scores = [(rotary.rotate(torch.tensor([m]), qv) * rotary.rotate(torch.tensor([n]), kv)).sum()
+              for m, n in [(3, 1), (10, 8), (1002, 1000)]]
+    torch.testing.assert_close(scores[1], scores[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scores[2], scores[0], atol=1e-4, rtol=1e-4)
+
+
+def test_attention_block_matches_direct_causal_attention():
+    """One layer's attention block (fused QKV, rotary, paged cache, GQA, output projection) on
+    two prompts, against dense causal softmax attention written out per request."""
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    block = model.layers[0].attn
+    lengths = [5, 11]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(lengths), config.hidden_size, generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    d, heads, kv_heads = config.head_dim, config.num_heads, config.num_kv_heads
+    wq, wk, wv = block.qkv.split([heads * d, kv_heads * d, kv_heads * d])
+    q = _rotate_complex(x @ wq.T, positions, d, config.rope_theta).view(-1, heads, d)
+    k = _rotate_complex(x @ wk.T, positions, d, config.rope_theta).view(-1, kv_heads, d)
+    v = (x @ wv.T).double().view(-1, kv_heads, d)
+    expected, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start:start + n] for t in (q, k, v))
+        ks, vs = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (ks, vs))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        expected.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs).flatten(1))
+        start += n
+    expected = torch.cat(expected) @ block.o_proj.double().T
+
+    step, _ = make_step(model, lengths)  # a fresh cache bound to the layers, metadata for the prompts
+    assert torch.equal(step.positions, positions)
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers):
+        out = block(x, step.positions)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 # ----- MoE dispatch ---------------------------------------------------------------------------

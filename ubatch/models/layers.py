@@ -68,14 +68,13 @@ class RMSNorm(nn.Module):
         self.weight = frozen(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (halves rotated), angles computed from the positions given,
-    so there is no maximum length and no per-step table."""
+    so there is no maximum length and no per-step table. ``rotate`` turns any number of heads
+    at once, so a layer rotates its query and key heads in one pass (half the host launches)."""
 
     def __init__(self, head_dim: int, theta: float, *, device: torch.device) -> None:
         super().__init__()
@@ -83,16 +82,11 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, heads * head_dim]``, every head of token t rotated by position ``positions[t]``."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        heads = x.unflatten(-1, (-1, self.head_dim)).float()
-        x1, x2 = heads.chunk(2, dim=-1)
+        x1, x2 = x.unflatten(-1, (-1, self.head_dim)).float().chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return rotated.flatten(1).to(x.dtype)
 
@@ -172,7 +166,7 @@ class SelfAttention(nn.Module):
         o = weight("o", (hidden, config.num_heads * d), config.num_heads * d)
         self.qkv = frozen(torch.cat([shard(w, 0, rank, world) for w in (q, k, v)]))
         self.o_proj = frozen(shard(o, 1, rank, world))
-        self.split_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.rotary = RotaryEmbedding(d, config.rope_theta, device=device)
         self.attn = Attention(
             self.num_heads,
@@ -185,8 +179,8 @@ class SelfAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = F.linear(x, self.qkv).split(self.split_sizes, dim=-1)
-        q, k = self.rotary(positions, q, k)
+        qk, v = F.linear(x, self.qkv).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         out = F.linear(self.attn(q, k, v), self.o_proj)
         if self.tp_group is not None:
             comm.all_reduce(out, group=self.tp_group)
