@@ -5,8 +5,10 @@ Compute is a loop of bf16 GEMMs (M x K @ K x N); communication is (a) an NCCL al
 SM-driven memory-bound kernel, like NCCL's; works on one rank). For each mode (none, green,
 cooperative) and comm_sms it reports compute alone (C), communication alone (M), both launched
 together (T), the hidden fraction of communication (C + M - T) / min(C, M) clipped to [0, 1], the
-compute slowdown (compute's span while overlapped / compute alone in mode "none", full GPU) and
-the speedup over running "none" serially ((C_none + M_none) / T).
+compute slowdown (compute's span while overlapped / compute alone in mode "none", full GPU), the
+communication stretch (its span while overlapped / M alone, same mode: a ubatched step's
+``comm_stretch``, isolated from the model) and the speedup over running "none" serially
+((C_none + M_none) / T).
 
     torchrun --nproc-per-node 2 scripts/bench_sm.py --out sm.json   # all three, two GPUs
     python scripts/bench_sm.py --out sm.json                        # copy only, one GPU
@@ -56,6 +58,7 @@ class Row:
     both_ms: float
     hidden: float
     slowdown: float
+    comm_stretch: float
     speedup: float
 
 
@@ -121,14 +124,15 @@ def format_table(rows: Sequence[Row]) -> str:
     """A markdown table of the rows (the CLI prints it)."""
     head = (
         "| comm | mode | comm_sms | effective | SMs compute/comm | C ms | M ms | both ms | hidden "
-        "| compute slowdown | speedup vs serial none |"
+        "| compute slowdown | comm stretch | speedup vs serial none |"
     )
     lines = [head, "|" + " - |" * (head.count("|") - 1)]
     for r in rows:
         sms = "-" if r.comm_sms is None else str(r.comm_sms)
         lines.append(
             f"| {r.comm} | {r.mode} | {sms} | {r.effective_mode} | {r.partition} | {r.compute_ms:.2f} | "
-            f"{r.comm_ms:.2f} | {r.both_ms:.2f} | {r.hidden:.0%} | {r.slowdown:.2f}x | {r.speedup:.2f}x |"
+            f"{r.comm_ms:.2f} | {r.both_ms:.2f} | {r.hidden:.0%} | {r.slowdown:.2f}x | {r.comm_stretch:.2f}x | "
+            f"{r.speedup:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -249,16 +253,18 @@ def calibrate_comm_reps(work: Workload, kind: str, case: Case, repeats: int) -> 
     return int(slowest_rank([float(reps)], work.device)[0])
 
 
-def bench_case(work: Workload, kind: str, case: Case, comm_reps: int, repeats: int) -> tuple[float, float, float, float]:
-    """(C, M, T, compute span while overlapped) in ms for one case, slowest rank."""
+def bench_case(
+    work: Workload, kind: str, case: Case, comm_reps: int, repeats: int
+) -> tuple[float, float, float, float, float]:
+    """(C, M, T, compute span and communication span while overlapped) in ms for one case,
+    slowest rank."""
     compute = Job(case.compute_stream, work.compute_step, work.sizes.gemm_reps)
     comm = Job(case.comm_stream, work.comm_step(kind, case.part.comm_group(None)), comm_reps)
     with case.part.compute_context():
         c_ms, _ = measure([compute], work.device, repeats)
         m_ms, _ = measure([comm], work.device, repeats)
         t_ms, spans = measure([compute, comm], work.device, repeats)
-    c_ms, m_ms, t_ms, span = slowest_rank([c_ms, m_ms, t_ms, spans[0]], work.device)
-    return c_ms, m_ms, t_ms, span
+    return tuple(slowest_rank([c_ms, m_ms, t_ms, *spans], work.device))
 
 
 def run(
@@ -278,13 +284,14 @@ def run(
     reps_by_kind: dict[str, int] = {}
     for kind in kinds:
         reps_by_kind[kind] = reps = calibrate_comm_reps(work, kind, baseline, args.repeats)
-        c0, m0, _, _ = bench_case(work, kind, baseline, reps, args.repeats)
+        c0, m0, *_ = bench_case(work, kind, baseline, reps, args.repeats)
         for case in cases:
-            c, m, t, span = bench_case(work, kind, case, reps, args.repeats)
+            c, m, t, span, comm_span = bench_case(work, kind, case, reps, args.repeats)
             split = case.part.partition_sms()
             rows.append(Row(
                 kind, case.mode, case.comm_sms, case.part.effective_mode, "-" if split is None else f"{split[0]}/{split[1]}",
-                c, m, t, hidden_fraction(c, m, t), span / c0 if c0 > 0 else 0.0, (c0 + m0) / t if t > 0 else 0.0,
+                c, m, t, hidden_fraction(c, m, t), span / c0 if c0 > 0 else 0.0, comm_span / m if m > 0 else 0.0,
+                (c0 + m0) / t if t > 0 else 0.0,
             ))
         report(rows, {"comm_reps": reps_by_kind, "self_checks": checks})
     return rows

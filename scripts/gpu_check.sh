@@ -15,12 +15,14 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm prefill prefill_green prefill_graphs balanced mixed decode spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
 want tests && timeout 480 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 want sm && run2 150 scripts/bench_sm.py --modes none,green,cooperative --comm-sms 16,32 --repeats 3 --out "$OUT/sm_h200x2.json" | tail -22
+# how much a GEMM loop stretches the slow link's all-to-all (and an SM copy), away from the model
+want sm_slow && slow run2 150 scripts/bench_sm.py --comm copy,all_to_all --modes none,green --comm-sms 16 --repeats 5 --out "$OUT/sm_h200x2_slowlink.json" | tail -6
 prefill="-m ubatch.bench --model moe --prompt-len 512 --policy auto"
 if want prefill; then  # eager, no SM partition
   run2 150 $prefill --tokens 256,1024,4096 --num-ubatches 2,3 --out "$OUT/moe_prefill_nvlink.json" --plot "$OUT/moe_prefill_nvlink.png" --label nvlink | tail -12

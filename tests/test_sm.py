@@ -309,8 +309,10 @@ def test_bench_dry_run_prints_a_table_and_writes_json(tmp_path, capsys):
     cases = [(r.mode, r.comm_sms) for r in rows]
     assert cases == [("none", None), ("green", 8), ("green", 16), ("cooperative", 8), ("cooperative", 16)]
     assert all(r.comm == "copy" and r.effective_mode == "none" and 0.0 <= r.hidden <= 1.0 for r in rows)
+    assert all(r.comm_stretch > 0 for r in rows)
     table = capsys.readouterr().out
     assert table.startswith("| comm | mode |") and table.count("\n| copy |") == len(rows)
+    assert "| comm stretch |" in table.splitlines()[0]
     report = json.loads(out.read_text())
     assert report["config"]["world_size"] == 1 and len(report["rows"]) == len(rows)
     assert report["self_checks"]["green:8"]["reason"]
