@@ -79,15 +79,18 @@ def _runner(model: Decoder, config: ModelConfig, shape: GenerationShape, *, grap
 def time_generation(model: Decoder, config: ModelConfig, shape: GenerationShape, *, graphs: bool,
                     capture_sizes: Sequence[int], num_ubatches: int = 1, drafter: Decoder | None = None,
                     k: int = 0) -> tuple[dict[str, Any], list[list[int]]]:
-    """One timed ``generate`` of ``shape`` (after any graph capture and an untimed warm-up over
-    every prompt, so that the first configuration of a sweep pays no first-use cost of the
-    batch's sizes that later ones skip): its row of the report and its output tokens."""
+    """One timed ``generate`` of ``shape`` after any graph capture and an untimed identical one:
+    its row of the report and its output tokens.
+
+    The warm-up meets every shape the timed run will: cuDNN's SDPA (what the torch backend gets
+    on an H200) builds a plan per new shape, 35-55 ms each, so an eager row timed cold measured
+    plan building and depended on which rows ran before it."""
     runner = _runner(model, config, shape, graphs=graphs, capture_sizes=capture_sizes, num_ubatches=num_ubatches,
                      drafter=drafter, k=k)
     if graphs:
         runner.capture_graphs()
     prompts = shape.prompts(config.vocab_size)
-    runner.generate(prompts, min(4, shape.max_new_tokens))
+    runner.generate(prompts, shape.max_new_tokens)
     before = (runner.spec_stats.num_draft_tokens, runner.spec_stats.num_accepted_tokens)
     _sync(model.device)
     start = time.perf_counter()
