@@ -24,6 +24,7 @@ from ubatch.bench import add_model_overrides, model_overrides
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
+from ubatch.teardown import destroy_process_groups_or_warn
 
 logger = logging.getLogger("torchrun_generate")
 
@@ -99,6 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     args = parse_args(argv)
     device, rank, world = init_distributed(args.device, args.timeout)
+    generate_and_report(args, device, rank, world)
+    if dist.is_initialized():
+        destroy_process_groups_or_warn()  # after the model, runner and groups above are gone
+
+
+def generate_and_report(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> None:
+    """Time one generation on every rank; rank 0 prints the throughput. Ranks leave together."""
     preset, config = model_config(args, device, world)
     group = dist.group.WORLD if world > 1 else None
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None)
@@ -122,9 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{preset} on {world} x {device.type}, "
               f"num_ubatches={args.num_ubatches}: {requests} requests, {tokens} tokens in {elapsed:.2f} s = "
               f"{tokens / elapsed:.1f} tokens/s")
-    if dist.is_initialized():
+    if cpu_group is not None:
         dist.barrier(group=cpu_group)  # tear down in step: gloo aborts a rank whose peer left mid-teardown
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

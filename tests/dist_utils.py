@@ -9,13 +9,14 @@ import sys
 import tempfile
 import time
 import traceback
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ubatch.teardown import destroy_process_groups
 
 
 def _entry(
@@ -41,15 +42,9 @@ def _entry(
 
 
 def destroy_and_check_released() -> None:
-    """``destroy_process_group``, then fail if any group outlived it.
-
-    A group kept alive (typically by a reference cycle) keeps gloo's worker threads running into
-    interpreter exit, where one that drops a finished collective's tensors needs the GIL and
-    aborts the process (pytorch/pytorch#190489): a rare SIGABRT, caught here deterministically.
-    """
-    groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
-    dist.destroy_process_group()
-    alive = [group() for group in groups if group() is not None]
+    """``destroy_process_group``, then fail if any group outlived it (see ``ubatch.teardown``):
+    the rare gloo abort at exit that such a group can cause, caught deterministically."""
+    alive = destroy_process_groups()
     if alive:
         raise AssertionError(f"{len(alive)} process group(s) outlived destroy_process_group: "
                              f"something still references {alive}")

@@ -195,6 +195,7 @@ def _torchrun_bench(tmp_path, *args: str):
     out = tmp_path / "report.json"
     result = torchrun(2, "-m", "ubatch.bench", "--quick", "--out", str(out), *args, timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "outlived destroy_process_group" not in result.stderr, result.stderr[-3000:]
     assert result.stdout.count("M stretch") == 1, "only rank 0 prints the table"
     return json.loads(out.read_text())["results"]
 

@@ -358,7 +358,9 @@ def test_failed_peer_makes_others_exit_with_clear_error(failure, message):
 
 
 def torchrun_generate(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return torchrun(nproc, "scripts/torchrun_generate.py", "--device", "cpu", *args)
+    result = torchrun(nproc, "scripts/torchrun_generate.py", "--device", "cpu", *args)
+    assert "outlived destroy_process_group" not in result.stderr, result.stderr[-3000:]
+    return result
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

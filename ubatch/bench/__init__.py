@@ -31,6 +31,7 @@ from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.policy import SplitPolicy, calibrate
 from ubatch.sm import MODES, SMPartition
+from ubatch.teardown import destroy_process_groups_or_warn
 
 logger = logging.getLogger("ubatch.bench")
 
@@ -333,4 +334,4 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(report, f, indent=2, default=str)
             logger.info("report written to %s", args.out)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_groups_or_warn()
