@@ -1,5 +1,6 @@
 """Ubatched reference models equal the unsplit model: N = 2, 3, 4; prefill, decode, mixed steps
-with straddling requests and padding; one process and expert / tensor parallel over gloo.
+with straddling requests and padding (and, through hypothesis, any batch in 1-4 ubatches); one
+process and expert / tensor parallel over gloo.
 
 Tolerance: float32 on CPU, atol = rtol = 1e-5 (a straddling request's attention is computed in
 two parts, and GEMMs of other row counts may block their sums differently).
@@ -10,6 +11,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, reject, settings
+from hypothesis import strategies as st
 
 from tests.dist_utils import run_distributed
 from ubatch import set_forward_context
@@ -68,6 +71,37 @@ def test_ubatched_equals_unsplit_one_process(model_kind, num_ubatches, kind):
     model = build_model(ModelConfig(**MODELS[model_kind]), device="cpu")
     for seed in range(3):
         check_ubatched_equals_unsplit(model, kind, seed, num_ubatches, pad=seed % 2)
+
+
+_REQUEST = st.tuples(st.integers(1, 12), st.sampled_from([0, 0, 1, 3, 16, 17, 40]))  # (query, cached context)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return build_model(ModelConfig(**MODELS["moe"]), device="cpu")
+
+
+@settings(max_examples=30, deadline=None)
+@given(requests=st.lists(_REQUEST, min_size=1, max_size=8), num_ubatches=st.integers(1, 4),
+       pad=st.integers(0, 3), block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_ubatched_moe_equals_unsplit_on_any_batch(moe_model, requests, num_ubatches, pad, block_size, seed):
+    """Any mix of prompts, continuations and decodes, with padding, in 1-4 ubatches; a split that
+    would leave a ubatch without a real token is refused, and that is the only refusal."""
+    model = moe_model
+    query_lens, context_lens = map(list, zip(*requests))
+    step, cache = make_step(model, query_lens, context_lens, block_size=block_size,
+                            num_tokens_padded=sum(query_lens) + pad, seed=seed)
+    try:
+        slices = step.slices(num_ubatches)
+    except ValueError as exc:
+        assert "would hold no real token" in str(exc)
+        reject()
+    before = {name: cache[name].clone() for name in model.layer_names}
+    expected = _forward(model, model, step)
+    for name in model.layer_names:
+        cache[name].copy_(before[name])
+    got = _forward(UBatchWrapper(model, num_ubatches=4, device=model.device), model, step, slices)
+    torch.testing.assert_close(got[: sum(query_lens)], expected[: sum(query_lens)], **TOL)
 
 
 def parallel_body(rank, world_size, model_kind, device="cpu", tol=TOL):
