@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode first_use spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -44,6 +44,9 @@ decode="-m ubatch.bench --model moe --workload decode --graphs --layers 4 --toke
 if want decode; then  # FULL graph replays, green partition
   slow run2 150 $decode --out "$OUT/moe_decode_graphs_slowlink_green.json" --label slow-link-graphs-green | tail -9
   run2 150 $decode --out "$OUT/moe_decode_graphs_nvlink_green.json" --label nvlink-graphs-green | tail -9
+fi
+if want first_use; then  # eager serving of staggered requests, one process per SDPA choice (plans are per process)
+  for sdpa in default math; do timeout 150 python3 scripts/first_use_cost.py --sdpa "$sdpa" 2>&1 | tail -1 | tee -a "$OUT/first_use_cost_1gpu.jsonl"; done
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12

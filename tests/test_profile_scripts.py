@@ -1,5 +1,6 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
-lane sat idle, kernel families that grow when split, and the schedule bound's limits."""
+lane sat idle, kernel families that grow when split, the schedule bound's limits, and the
+first-use cost probe."""
 
 import gzip
 import importlib.util
@@ -23,6 +24,7 @@ def _load(name):
 profile_step = _load("profile_step")
 profile_table = _load("profile_table")
 schedule_bound = _load("schedule_bound")
+first_use_cost = _load("first_use_cost")
 
 
 def _trace():
@@ -103,3 +105,22 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
     stretched = schedule_bound.step_ms(2, 8, c, m, 0.2, comm_stretch=1.08)
     assert 1.08 * m <= stretched < 1.08 * m + c / 8, "comm-bound: the stretched link plus some fill and drain"
     assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
+
+
+def test_first_use_cost_serves_the_same_requests_twice(capsys):
+    row = first_use_cost.main(["--device", "cpu", "--requests", "5", "--prompt-len", "12", "--max-new-tokens", "6"])
+    assert json.loads(capsys.readouterr().out) == row
+    assert row["sdpa"] == "default" and row["cold_tokens"] == row["warm_tokens"] > 5
+    assert row["cold_tokens_per_s"] > 0 and row["warm_tokens_per_s"] > 0
+    _, limits = first_use_cost.staggered_requests(first_use_cost.parse_args(["--requests", "5", "--max-new-tokens", "6"]), 64)
+    assert sum(limits) == row["cold_tokens"], "every request generates its own drawn length"
+
+
+def test_first_use_cost_math_choice_leaves_only_the_math_path():
+    import torch
+
+    with first_use_cost.sdpa_choice("math"):
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled(), "the choice ends with the block"

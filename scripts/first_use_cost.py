@@ -1,0 +1,93 @@
+"""What an eager runner pays the first time it meets each batch shape, per SDPA choice.
+
+cuDNN's SDPA (the torch backend's pick on an H200) builds a plan per new shape: 34-55 ms, then
+0.1-0.2 ms per call; the math path costs 0.6-1.7 ms every call (benchmarks/h200x2/explore/
+sdpa_cudnn_fresh_shapes.log). Which is better for serving depends on how often shapes repeat, so
+this serves staggered requests (prompt lengths and output lengths drawn at random, so batches
+change shape as requests finish) twice in one process: the first pass meets every shape cold,
+the second replays the same shapes warm. Plans live per process, so run one process per choice:
+
+    python scripts/first_use_cost.py --sdpa default
+    python scripts/first_use_cost.py --sdpa math
+
+Prints one JSON line: tokens, seconds and tokens/s of both passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ubatch.models import ModelConfig, build_model
+from ubatch.runner import ModelRunner
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sdpa", choices=["default", "math"], default="default",
+                   help="default: torch's pick (cuDNN on an H200); math: the math path for every call")
+    p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256, help="longest prompt (prompts draw from half of it up)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="longest output (outputs draw from 1 up)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def sdpa_choice(name: str) -> Iterator[None]:
+    """The SDPA backends every attention call may use inside the block."""
+    if name == "math":
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    else:
+        yield
+
+
+def staggered_requests(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and output lengths drawn at random, so requests finish at different steps."""
+    g = torch.Generator().manual_seed(args.seed)
+    prompt_lens = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.requests,), generator=g)
+    limits = torch.randint(1, args.max_new_tokens + 1, (args.requests,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab_size, (int(n),), generator=g).tolist() for n in prompt_lens]
+    return prompts, limits
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float | int | str]:
+    args = parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    preset = args.preset or ("dense-bench" if cuda else "tiny")
+    config = ModelConfig.preset(preset)
+    model = build_model(config, device=device)
+    blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
+    runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,
+                         max_num_seqs=args.requests)
+    prompts, limits = staggered_requests(args, config.vocab_size)
+    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "sdpa": args.sdpa}
+    with sdpa_choice(args.sdpa):
+        for name in ("cold", "warm"):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            outputs = runner.generate(prompts, limits)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o) for o in outputs)
+            row.update({f"{name}_tokens": tokens, f"{name}_s": round(seconds, 4),
+                        f"{name}_tokens_per_s": round(tokens / seconds, 1)})
+    print(json.dumps(row), flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()
