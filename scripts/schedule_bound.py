@@ -1,12 +1,7 @@
 """The best step time ubatching can reach for a MoE step, from its compute and communication.
 
-A list-scheduling model of how the executor runs N ubatches: per layer, each ubatch computes its
-attention block (``A``), dispatches (``D``), computes its experts (``E``) and combines (``C``),
-each collective after the compute that feeds it and before the compute that reads it. Compute
-runs on one lane in the order the host issues it (round-robin over ubatches, as the scheduler
-does), collectives run on one comm lane in the same order. Costs scale linearly with the ubatch's
-share of tokens and nothing slows down when overlapped, so the result is a bound: what is left
-between it and a measured step is overlap slowdown, fill and drain the model misses, and noise.
+The model is ``ubatch.bench.schedule`` (every ubatch-bench row carries it as
+``schedule_model_ms`` / ``schedule_model_stretched_ms``); this prints it for any C and M.
 ``--comm-stretch`` puts the measured overlap slowdown back (a report's ``comm_stretch``): split
 collectives take that much longer, while the unsplit step and the ideal keep the plain M.
 
@@ -17,25 +12,12 @@ Example (the 4096-token slow-link prefill of benchmarks/h200x2):
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def step_ms(num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, attention_share: float,
-            comm_stretch: float = 1.0) -> float:
-    """Makespan of one step in ``num_ubatches`` ubatches under the model above; with more than one
-    ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``."""
-    attention = compute_ms * attention_share / layers / num_ubatches
-    experts = compute_ms * (1 - attention_share) / layers / num_ubatches
-    stretch = comm_stretch if num_ubatches > 1 else 1.0
-    collective = stretch * comm_ms / 2 / layers / num_ubatches  # dispatch and combine carry the same rows
-    compute_free = comm_free = 0.0
-    ready = [0.0] * num_ubatches  # when each ubatch's last collective delivered its result
-    for _ in range(layers):
-        for work in (attention, experts):
-            for u in range(num_ubatches):
-                compute_free = max(compute_free, ready[u]) + work
-                comm_free = max(comm_free, compute_free) + collective
-                ready[u] = comm_free
-    return max(compute_free, *ready)
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, step_ms  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +25,7 @@ def main() -> None:
     p.add_argument("--compute-ms", type=float, required=True, help="C: the unsplit step's compute")
     p.add_argument("--comm-ms", type=float, required=True, help="M: the unsplit step's communication")
     p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--attention-share", type=float, default=0.2,
+    p.add_argument("--attention-share", type=float, default=DEFAULT_ATTENTION_SHARE,
                    help="share of compute before the dispatch (attention, norms, router)")
     p.add_argument("--comm-stretch", type=float, default=1.0,
                    help="how much slower the split collectives run (a report's comm_stretch)")

@@ -10,6 +10,7 @@ import torch
 
 from ubatch.bench import _auto_policy, format_table, main, parse_args
 from ubatch.bench.kernels import Kernel, hidden_kernel_fraction, kernel_costs, kernels_in_trace
+from ubatch.bench.schedule import schedule_estimates, step_ms
 
 
 def test_quick_run_writes_report_and_plot(tmp_path, capsys):
@@ -26,6 +27,9 @@ def test_quick_run_writes_report_and_plot(tmp_path, capsys):
         else:
             assert r["hideable_comm_fraction"] is None
         assert r["comm_stretch"] is None and r["ubatched_comm_ms"] is None, "host-observed on CPU: not reported"
+        assert r["schedule_model_ms"] == pytest.approx(
+            step_ms(r["num_ubatches"], report["args"]["layers"] or 2, r["compute_ms"], r["comm_ms"], 0.2), abs=1e-3)
+        assert r["schedule_model_stretched_ms"] is None, "no measured stretch, no stretched estimate"
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
 
@@ -201,9 +205,24 @@ def _torchrun_bench(tmp_path, *args: str):
 
 
 def test_bench_under_torchrun_on_two_cpu_ranks(tmp_path):
-    (r,) = _torchrun_bench(tmp_path, "--device", "cpu")
+    (r,) = _torchrun_bench(tmp_path, "--device", "cpu", "--attention-share", "0.5")
     assert r["world_size"] == 2 and r["comm_ms"] > 0, "two EP ranks exchange tokens"
     assert r["comm_stretch"] is None
+    assert r["schedule_model_ms"] == pytest.approx(step_ms(2, 2, r["compute_ms"], r["comm_ms"], 0.5), abs=1e-3)
+
+
+def test_schedule_estimates_bracket_a_stretched_split_step():
+    plain = schedule_estimates(71.0, 126.0, 1.18, num_ubatches=2, layers=8)
+    assert plain["schedule_model_ms"] == pytest.approx(step_ms(2, 8, 71.0, 126.0, 0.2), abs=1e-3)
+    assert plain["schedule_model_ms"] < plain["schedule_model_stretched_ms"], "stretched collectives end later"
+    assert 1.18 * 126.0 <= plain["schedule_model_stretched_ms"] < 71.0 + 126.0
+    assert schedule_estimates(71.0, 126.0, 1.18, num_ubatches=1, layers=8)["schedule_model_stretched_ms"] == 197.0
+
+
+def test_attention_share_outside_its_range_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-share", "1.0"])
+    assert "--attention-share must be in [0, 1), got 1.0" in capsys.readouterr().err
 
 
 @pytest.mark.multigpu
@@ -212,6 +231,8 @@ def test_bench_under_torchrun_on_two_gpus_reports_the_comm_stretch(tmp_path, gra
     (r,) = _torchrun_bench(tmp_path, "--preset", "tiny-moe", *(["--graphs"] if graphs else []))
     assert r["world_size"] == 2 and r["comm_ms"] > 0 and r["graphs"] is graphs
     assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2)
+    expected = step_ms(r["num_ubatches"], 2, r["compute_ms"], r["comm_ms"], 0.2, r["comm_stretch"])
+    assert r["schedule_model_stretched_ms"] == pytest.approx(expected, rel=1e-3)
 
 
 _FAULTS_OF_A_REALLOCATED_BUFFER = """

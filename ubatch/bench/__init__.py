@@ -27,6 +27,7 @@ from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
 from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.policy import SplitPolicy, calibrate
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: also report what the calibrated split policy picks at every point")
     p.add_argument("--calibrate-tokens", type=_int_list,
                    help="token counts the auto policy calibrates on (default 256,2048; quick: 64,256)")
+    p.add_argument("--attention-share", type=float, default=DEFAULT_ATTENTION_SHARE,
+                   help="share of a layer's compute before its first collective, for the schedule model's "
+                        "estimate in each row (an assumption, not measured)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="a small run that finishes in well under a minute on a CPU")
@@ -118,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--policy and --sm-partition apply to single steps, not to --workload generate")
     if args.model != "moe" and (args.num_experts or args.capacity_factor):
         p.error("--num-experts and --capacity-factor apply to --model moe")
+    if not 0 <= args.attention_share < 1:
+        p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
     if args.graphs and args.plot:
         p.error("--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
                 "--chrome-trace writes the profiled kernels of a replayed ubatched step instead")
@@ -232,6 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
             "world_size": world, "label": args.label, "sm_partition": partition.effective_mode,
             "comm_sms": partition.comm_sms_for(), **m.as_dict(),
+            **schedule_estimates(m.compute_ms, m.comm_ms, m.comm_stretch, num_ubatches=n, layers=config.num_layers,
+                                 attention_share=args.attention_share),
             "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
         })
     report = {"environment": _environment(device, world), "args": vars(args), "results": results}
@@ -303,9 +311,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
     graphs = any(r["graphs"] for r in results)
     cols = ["tokens_per_rank", "num_ubatches", *(["eager_baseline_ms"] if graphs else []), "baseline_ms", "ubatched_ms",
             "speedup", "compute_ms", "comm_ms", "ideal_speedup", "efficiency", "hidden_comm_fraction",
-            "hideable_comm_fraction", "comm_stretch"]
+            "hideable_comm_fraction", "comm_stretch", "schedule_model_stretched_ms"]
     heads = ["tokens", "N", *(["eager ms", "graph ms", "graph N ms"] if graphs else ["unsplit ms", "ubatched ms"]),
-             "speedup", "C ms", "M ms", "ideal", "effic.", "hidden", "hideable", "M stretch"]
+             "speedup", "C ms", "M ms", "ideal", "effic.", "hidden", "hideable", "M stretch", "model ms"]
     rows = [[("-" if r.get(c) is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])) for c in cols]
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]

@@ -1,0 +1,49 @@
+"""The executor's schedule as a model: the best step time ubatching can reach from C and M.
+
+A list-scheduling model of how the executor runs N ubatches: per layer, each ubatch computes its
+attention block (``A``), runs a collective (dispatch, or an all-reduce), computes its experts or
+MLP (``E``) and runs a second collective (combine, or an all-reduce), each collective after the
+compute that feeds it and before the compute that reads it. Compute runs on one lane in the order
+the host issues it (round-robin over ubatches, as the scheduler does), collectives on one comm
+lane in the same order. Costs scale linearly with the ubatch's share of tokens and nothing slows
+down when overlapped unless ``comm_stretch`` says so, so the result is a bound: what is left
+between it and a measured step is overlap slowdown, fill and drain the model misses, and noise.
+
+Reports carry it twice: with plain collectives (what the schedule alone allows) and with the
+row's measured ``comm_stretch`` (what the schedule allows once the collectives run as slowly
+as they did), so a row's gap to its ideal splits into schedule, stretch and the rest.
+"""
+
+from __future__ import annotations
+
+DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collective (assumed, not measured)
+
+
+def step_ms(num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, attention_share: float,
+            comm_stretch: float = 1.0) -> float:
+    """Makespan of one step in ``num_ubatches`` ubatches under the model above; with more than one
+    ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``."""
+    attention = compute_ms * attention_share / layers / num_ubatches
+    experts = compute_ms * (1 - attention_share) / layers / num_ubatches
+    stretch = comm_stretch if num_ubatches > 1 else 1.0
+    collective = stretch * comm_ms / 2 / layers / num_ubatches  # both collectives carry the same rows
+    compute_free = comm_free = 0.0
+    ready = [0.0] * num_ubatches  # when each ubatch's last collective delivered its result
+    for _ in range(layers):
+        for work in (attention, experts):
+            for u in range(num_ubatches):
+                compute_free = max(compute_free, ready[u]) + work
+                comm_free = max(comm_free, compute_free) + collective
+                ready[u] = comm_free
+    return max(compute_free, *ready)
+
+
+def schedule_estimates(compute_ms: float, comm_ms: float, comm_stretch: float | None, *, num_ubatches: int,
+                       layers: int, attention_share: float = DEFAULT_ATTENTION_SHARE) -> dict[str, float | None]:
+    """A report row's ``schedule_model_ms`` (plain collectives) and ``schedule_model_stretched_ms``
+    (collectives stretched as measured; None where the stretch is not measured)."""
+    def model(stretch: float) -> float:
+        return round(step_ms(num_ubatches, layers, compute_ms, comm_ms, attention_share, stretch), 4)
+
+    return {"schedule_model_ms": model(1.0),
+            "schedule_model_stretched_ms": None if comm_stretch is None else model(comm_stretch)}
