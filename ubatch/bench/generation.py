@@ -83,7 +83,7 @@ def time_generation(model: Decoder, config: ModelConfig, shape: GenerationShape,
     its row of the report and its output tokens.
 
     The warm-up meets every shape the timed run will: cuDNN's SDPA (what the torch backend gets
-    on an H200) builds a plan per new shape, 35-55 ms each, so an eager row timed cold measured
+    on an H200) builds a plan per new shape, 34-55 ms each, so an eager row timed cold measured
     plan building and depended on which rows ran before it."""
     runner = _runner(model, config, shape, graphs=graphs, capture_sizes=capture_sizes, num_ubatches=num_ubatches,
                      drafter=drafter, k=k)
