@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA in float32: output equals plain greedy decoding of the target
 token for token (dense and MoE, k = 1..4, ubatched verification or not), eager and with graphs;
 with graphs the target replays FULL verification graphs keyed on k + 1 tokens per request and
-the drafter replays graphs of its own (FULL draft steps, PIECEWISE catch-ups)."""
+the drafter replays graphs of its own (FULL draft steps and catch-ups after a verification,
+PIECEWISE catch-ups of prompts)."""
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ def test_speculative_generation_equals_plain_greedy(target, k, num_ubatches, gra
         assert verify and all(d.uniform_token_count == k + 1 for d in verify), target_replays
         assert any(d.num_ubatches == num_ubatches for d in verify), target_replays
         assert {d.cg_mode for d in draft_replays} == {FULL, PIECEWISE}, draft_replays
+        assert any(d.cg_mode == FULL and d.uniform_token_count == k + 1 for d in draft_replays), \
+            "catch-ups after a verification are padded to k + 1 tokens and replay FULL"
         runner.close()
         assert runner.graphs.plan(4, 4, 1) is None and runner.drafter.graphs.plan(4, 4, 1) is None
 

@@ -236,12 +236,12 @@ def test_runner_passes_skip_attention_to_the_drafter():
 # ----- the drafter's graphs (fake graph backend: capture bookkeeping without CUDA) -------------
 
 
-def _drafter_with_fake_graphs(spy):
+def _drafter_with_fake_graphs(spy, **kwargs):
     from tests.test_cudagraph import FakeBackend
 
     draft = build_model(ModelConfig.preset("tiny"), device="cpu", attn_backend=spy)
     return DraftModel(draft, num_kv_blocks=8, block_size=4, capture_sizes=[4, 8], max_blocks_per_req=4,
-                      graph_backend=FakeBackend())
+                      graph_backend=FakeBackend(), **kwargs)
 
 
 def test_drafter_piecewise_capture_skips_attention_and_full_capture_runs_it():
@@ -289,6 +289,53 @@ def test_drafter_replays_its_graphs_and_never_when_skipping_attention():
         "catch-up (7 tokens) replays PIECEWISE, each one-token draft step FULL"
     drafter.release_graphs()
     assert drafter.graphs.plan(2, 2, 1) is None
+
+
+def test_a_catch_up_after_verification_is_made_uniform_and_replays_a_full_graph_of_k_plus_1():
+    spy = SpyBackend()
+    drafter = _drafter_with_fake_graphs(spy, catch_up_width=3)
+    drafter.capture_graphs()
+    fed = []
+    forward = drafter._forward
+    drafter._forward = lambda chunks, ids, **kw: fed.append([n for _, _, n in chunks]) or forward(chunks, ids, **kw)
+    replayed = []
+    replay = drafter.graphs.replay
+    drafter.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    prompts = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1], 2), DraftRequest(1, [7, 8, 9], [3], 2)]
+    drafter.propose(prompts)
+    assert fed[0] == [5, 3], "prompts are caught up whole: too long to pad to k + 1"
+    # The target accepted one draft of request 0 (plus its own token) and none of request 1's.
+    drafter.rollback(0, 6)
+    drafter.rollback(1, 3)
+    after = [DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], [0, 1], 2), DraftRequest(1, [7, 8, 9, 10], [3, 4], 2)]
+    fed.clear(), replayed.clear()
+    drafts = drafter.propose(after)
+    assert fed == [[3, 3], [1, 1]], "catch-ups of 1 token start earlier: the last k + 1 tokens of each request"
+    assert [(d.cg_mode, d.num_tokens, d.uniform_token_count) for d in replayed] == [(FULL, 6, 3), (FULL, 4, 1)]
+    assert len(drafts) == 2
+
+
+def test_padded_catch_ups_draft_what_unpadded_ones_draft():
+    model = build_model(ModelConfig.preset("tiny"), device="cpu")
+    padded = DraftModel(model, num_kv_blocks=8, block_size=4, catch_up_width=3)
+    plain = DraftModel(model, num_kv_blocks=8, block_size=4)
+    prompts = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1], 2), DraftRequest(1, [7, 8, 9], [3], 2)]
+    first = [drafter.propose(prompts) for drafter in (padded, plain)]
+    assert first[0] == first[1]
+    # The target accepts request 0's first draft and none of request 1's, each plus a token of its own.
+    after = [DraftRequest(0, [1, 2, 3, 4, 5, first[0][0][0], 99], [0, 1], 2),
+             DraftRequest(1, [7, 8, 9, 77], [3, 4], 2)]
+    for drafter in (padded, plain):
+        drafter.rollback(0, 6)
+        drafter.rollback(1, 3)
+    assert padded.propose(after) == plain.propose(after), \
+        "recomputing KV the drafter holds (same tokens, same slots) changes no draft"
+
+
+def test_catch_up_width_below_two_is_refused():
+    with pytest.raises(ValueError, match=r"catch_up_width must be an integer >= 2 \(k \+ 1\), got 1"):
+        DraftModel(build_model(ModelConfig.preset("tiny"), device="cpu"), num_kv_blocks=4, block_size=4,
+                   catch_up_width=1)
 
 
 def test_speculative_graphs_need_cuda_and_dp_needs_a_local_drafter(monkeypatch):

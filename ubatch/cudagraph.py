@@ -73,17 +73,18 @@ def make_descriptors(
     capture_sizes: Iterable[int],
     *,
     modes: Sequence[CUDAGraphMode] = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE),
-    uniform_token_count: int = 1,
+    uniform_token_count: int | Sequence[int] = 1,
     ubatch_counts: Sequence[int] = (1,),
 ) -> list[BatchExecutionDescriptor]:
-    """The usual set: FULL for uniform batches (decode by default) and PIECEWISE for any batch,
-    of every size and ubatch count."""
+    """The usual set: FULL for uniform batches (decode by default; one set per tokens-per-request
+    count given) and PIECEWISE for any batch, of every size and ubatch count."""
+    widths = (uniform_token_count,) if isinstance(uniform_token_count, int) else tuple(uniform_token_count)
     out = []
     for size in sorted(set(capture_sizes)):
         for n in ubatch_counts:
-            if CUDAGraphMode.FULL in modes and size % uniform_token_count == 0 and size // uniform_token_count >= n:
-                out.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=uniform_token_count,
-                                                    num_ubatches=n))
+            for u in widths:
+                if CUDAGraphMode.FULL in modes and size % u == 0 and size // u >= n:
+                    out.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=u, num_ubatches=n))
             if CUDAGraphMode.PIECEWISE in modes and size >= n:
                 out.append(BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, size, num_ubatches=n))
     return out

@@ -27,7 +27,7 @@ class GraphedModel:
         capture_sizes: Sequence[int],
         max_blocks_per_req: int,
         ubatch_counts: Sequence[int] = (1,),
-        uniform_token_count: int = 1,
+        uniform_token_count: int | Sequence[int] = 1,
         modes: Sequence[CUDAGraphMode] = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE),
         use_breakable_cg: bool = False,
         graph_backend: Any = None,

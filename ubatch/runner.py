@@ -230,7 +230,7 @@ class ModelRunner:
             )
         return DraftModel(draft_model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                           capture_sizes=capture_sizes if capture_sizes and self.device.type == "cuda" else None,
-                          max_blocks_per_req=self._max_blocks_per_req)
+                          max_blocks_per_req=self._max_blocks_per_req, catch_up_width=k + 1)
 
     @property
     def _max_blocks_per_req(self) -> int:

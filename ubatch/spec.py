@@ -9,12 +9,14 @@ stale KV before any attention reads it (keys past a request's context length are
 
 With ``capture_sizes`` the drafter has a graph manager of its own (a ``GraphedModel`` over the
 draft model, captured with the draft cache bound): draft steps, one token per request, replay
-FULL graphs; catch-up forwards, whose lengths vary, replay PIECEWISE ones. Its PIECEWISE warm-up
-and capture skip attention, keyed on the descriptor like the target's.
+FULL graphs; catch-up forwards replay FULL graphs of k + 1 tokens per request where the runner
+made them uniform (see ``DraftModel``), PIECEWISE ones otherwise. Its PIECEWISE warm-up and
+capture skip attention, keyed on the descriptor like the target's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,6 +80,12 @@ class DraftModel:
     ``num_computed(request_id)`` tokens of a request have draft KV. ``propose`` first catches a
     request up (its prompt after a prefill, or the accepted tokens after a verification) in one
     forward that also yields the first draft, then runs one forward per further draft.
+
+    With ``catch_up_width`` w (k + 1 for k drafts per step) a catch-up of at most w tokens per
+    request starts earlier, so that every request feeds exactly its last w tokens: recomputing
+    KV the drafter already holds (same tokens, same slots) makes the batch uniform, so it takes
+    one attention run, and with graphs it replays a FULL graph captured for w tokens per request
+    instead of a PIECEWISE one with eager attention.
     ``rollback`` after verification keeps only KV of tokens the target accepted; ``forget``
     drops a finished or preempted request. The model may be the target itself: the drafter binds
     its cache to the layers only around its own forwards.
@@ -85,9 +93,13 @@ class DraftModel:
 
     def __init__(self, model: Decoder, *, num_kv_blocks: int, block_size: int,
                  capture_sizes: Sequence[int] | None = None, max_blocks_per_req: int | None = None,
-                 graph_backend: Any = None) -> None:
+                 catch_up_width: int | None = None, graph_backend: Any = None) -> None:
+        if catch_up_width is not None and (isinstance(catch_up_width, bool) or not isinstance(catch_up_width, int)
+                                           or catch_up_width < 2):
+            raise ValueError(f"catch_up_width must be an integer >= 2 (k + 1), got {catch_up_width!r}")
         self.model = model
         self.block_size = block_size
+        self.catch_up_width = catch_up_width
         self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                                      dtype=model.config.dtype, device=model.device)
@@ -96,8 +108,10 @@ class DraftModel:
         if capture_sizes:
             if max_blocks_per_req is None:
                 raise ValueError("a drafter with capture_sizes needs max_blocks_per_req")
-            self.graphs = GraphedModel(model, capture_sizes=capture_sizes, max_blocks_per_req=max_blocks_per_req,
-                                       graph_backend=graph_backend)
+            widths = (1,) if catch_up_width is None else (1, catch_up_width)
+            sizes = {math.ceil(s / w) * w for s in capture_sizes for w in widths}
+            self.graphs = GraphedModel(model, capture_sizes=sorted(sizes), max_blocks_per_req=max_blocks_per_req,
+                                       uniform_token_count=widths, graph_backend=graph_backend)
 
     def capture_graphs(self) -> None:
         """Capture the drafter's graphs (into its own pool), with its cache bound."""
@@ -156,6 +170,10 @@ class DraftModel:
             if r.num_drafts < 1:
                 raise ValueError(f"request {r.request_id}: num_drafts must be >= 1, got {r.num_drafts}")
         starts = [min(self.num_computed(r.request_id), len(r.token_ids) - 1) for r in requests]
+        w = self.catch_up_width
+        if w is not None and all(w <= len(r.token_ids) and len(r.token_ids) - start <= w
+                                 for r, start in zip(requests, starts)):
+            starts = [len(r.token_ids) - w for r in requests]
         token_ids = [t for r, start in zip(requests, starts) for t in r.token_ids[start:]]
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
         chunks = [(r, start, len(r.token_ids) - start) for r, start in zip(requests, starts)]
