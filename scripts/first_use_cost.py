@@ -38,6 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256, help="longest prompt (prompts draw from half of it up)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest output (outputs draw from 1 up)")
+    p.add_argument("--num-ubatches", type=int, default=1, help="ubatches per step (each meets shapes of its own)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -70,9 +71,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int | str]:
     model = build_model(config, device=device)
     blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,
-                         max_num_seqs=args.requests)
+                         max_num_seqs=args.requests, num_ubatches=args.num_ubatches)
     prompts, limits = staggered_requests(args, config.vocab_size)
-    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "sdpa": args.sdpa}
+    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "sdpa": args.sdpa,
+                                         "num_ubatches": args.num_ubatches}
     with sdpa_choice(args.sdpa):
         for name in ("cold", "warm"):
             if cuda:

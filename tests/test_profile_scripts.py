@@ -107,10 +107,13 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
     assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
 
 
-def test_first_use_cost_serves_the_same_requests_twice(capsys):
-    row = first_use_cost.main(["--device", "cpu", "--requests", "5", "--prompt-len", "12", "--max-new-tokens", "6"])
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_first_use_cost_serves_the_same_requests_twice(capsys, num_ubatches):
+    row = first_use_cost.main(["--device", "cpu", "--requests", "5", "--prompt-len", "12", "--max-new-tokens", "6",
+                               "--num-ubatches", str(num_ubatches)])
     assert json.loads(capsys.readouterr().out) == row
-    assert row["sdpa"] == "default" and row["cold_tokens"] == row["warm_tokens"] > 5
+    assert row["sdpa"] == "default" and row["num_ubatches"] == num_ubatches
+    assert row["cold_tokens"] == row["warm_tokens"] > 5
     assert row["cold_tokens_per_s"] > 0 and row["warm_tokens_per_s"] > 0
     _, limits = first_use_cost.staggered_requests(first_use_cost.parse_args(["--requests", "5", "--max-new-tokens", "6"]), 64)
     assert sum(limits) == row["cold_tokens"], "every request generates its own drawn length"
