@@ -785,3 +785,48 @@ def test_cuda_graph_replay_matches_eager():
     assert torch.count_nonzero(graph_out[md.num_actual_tokens :]) == 0
     assert not torch.equal(graph_cache, cache_before)  # the replay did write this step's KV
     assert math.isfinite(graph_out.float().abs().max().item())
+
+
+# --- TorchBackend(math_until): new shapes on the math path ---------------------------------------
+
+
+def _decode_batch(num_reqs, context=7, heads=4, kv_heads=2, head_dim=8, block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-(context + 1) // block_size)
+    kv_cache = torch.randn(2, num_reqs * blocks, block_size, kv_heads, head_dim, generator=g)
+    table = torch.arange(num_reqs * blocks, dtype=torch.int32).view(num_reqs, blocks)
+    md = build_attention_metadata([1] * num_reqs, [context + 1] * num_reqs, table,
+                                  torch.full((num_reqs,), -1, dtype=torch.int64))
+    return torch.randn(num_reqs, heads, head_dim, generator=g), kv_cache, md
+
+
+def test_math_until_runs_each_new_shape_on_the_math_path_first(monkeypatch):
+    from ubatch.attention import backends
+
+    paths = []
+    sdpa = backends.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        only_math = torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        paths.append("math" if only_math else "pick")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", recording)
+    backend, default = TorchBackend(math_until=2), TorchBackend()
+    q, kv_cache, md = _decode_batch(3)
+    outs = [backend.forward(q, kv_cache, md, 0.5) for _ in range(3)]
+    assert paths == ["math", "math", "pick"]
+    q4, kv4, md4 = _decode_batch(4)
+    backend.forward(q4, kv4, md4, 0.5)
+    assert paths[-1] == "math", "another shape starts its own count"
+    paths.clear()
+    expected = default.forward(q, kv_cache, md, 0.5)
+    assert paths == ["pick"], "the default keeps torch's pick"
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_math_until_must_be_a_count(value):
+    with pytest.raises(ValueError, match="math_until must be an integer >= 0"):
+        TorchBackend(math_until=value)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention.metadata import AttentionMetadata
 
@@ -43,9 +44,22 @@ class TorchBackend:
     A uniform batch (every request has the same query length: decode, speculative
     verification) is one run over the whole block table, masked by the device-side
     ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured on it stays
-    right when the lengths and block ids change between replays."""
+    right when the lengths and block ids change between replays.
+
+    ``math_until`` n > 0 runs the first n eager calls of every SDPA shape on the math path. On an
+    H200 torch picks cuDNN, which builds a plan per new shape (34-55 ms, then 0.1-0.2 ms a call;
+    math costs 0.6-1.7 ms a call), so a runner whose batches keep changing shape stalls on plans
+    for shapes it may never meet again; with n around plan cost / math's extra cost, a shape
+    takes a plan only once it has recurred enough to repay it. Calls under graph capture always
+    take torch's pick (the plan is built once, at capture). The default 0 keeps torch's pick."""
 
     name = "torch"
+
+    def __init__(self, *, math_until: int = 0) -> None:
+        if isinstance(math_until, bool) or not isinstance(math_until, int) or math_until < 0:
+            raise ValueError(f"math_until must be an integer >= 0, got {math_until!r}")
+        self.math_until = math_until
+        self._calls_by_shape: dict[tuple, int] = {}
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
@@ -53,8 +67,19 @@ class TorchBackend:
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
         if query_len * num_reqs == metadata.num_actual_tokens:
             return _attend_run(q[: num_reqs * query_len], kv_cache, metadata.block_table, metadata.seq_lens,
-                               query_len, metadata.causal, scale)
+                               query_len, metadata.causal, scale, self._sdpa)
         return self._by_runs(q, kv_cache, metadata, scale)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``, on the math path while its shape is new (``math_until``)."""
+        if self.math_until and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            key = (q.shape, k.shape, q.dtype, q.device)
+            seen = self._calls_by_shape.get(key, 0)
+            if seen < self.math_until:
+                self._calls_by_shape[key] = seen + 1
+                with sdpa_kernel([SDPBackend.MATH]):
+                    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     def _by_runs(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
@@ -70,7 +95,8 @@ class TorchBackend:
             num_blocks = -(-max(seq_lens[first:last]) // block_size)
             out[q_start:q_end] = _attend_run(
                 q[q_start:q_end], kv_cache, metadata.block_table[first:last, :num_blocks],
-                metadata.seq_lens[first:last], (q_end - q_start) // (last - first), metadata.causal, scale)
+                metadata.seq_lens[first:last], (q_end - q_start) // (last - first), metadata.causal, scale,
+                self._sdpa)
         return out
 
 
@@ -88,7 +114,7 @@ def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
 
 def _attend_run(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    query_len: int, causal: bool, scale: float,
+    query_len: int, causal: bool, scale: float, sdpa: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """One SDPA over ``R`` requests of ``query_len`` tokens each (``q [R * query_len, H, D]``),
     keys gathered through ``block_table [R, blocks]`` and masked past each request's
@@ -104,7 +130,7 @@ def _attend_run(
     else:
         mask = (key_pos < seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
     qr = q.view(num_reqs, query_len, num_heads, head_dim)
-    o = F.scaled_dot_product_attention(
+    o = sdpa(
         qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
         enable_gqa=num_heads != k.shape[2],
     )
