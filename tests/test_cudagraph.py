@@ -75,6 +75,7 @@ class SpyBackend(TorchBackend):
     """Counts attention kernel launches; fails on the dummy inputs a capture would feed it."""
 
     def __init__(self, fail_on_dummy=False):
+        super().__init__()
         self.calls, self.fail_on_dummy = 0, fail_on_dummy
 
     def forward(self, q, kv_cache, metadata, scale):

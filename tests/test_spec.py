@@ -131,6 +131,7 @@ class SpyBackend(TorchBackend):
     """The torch backend, counting its calls."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls = 0
 
     def forward(self, q, kv_cache, metadata, scale):
