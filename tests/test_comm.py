@@ -70,6 +70,10 @@ def test_bad_arguments_raise_type_and_value_errors():
         comm.all_to_all_single([1], torch.zeros(2))
     with pytest.raises(ValueError, match=r"output.shape == input.shape, got \(3,\) and \(2,\)"):
         comm.all_to_all_single(torch.zeros(3), torch.zeros(2))
+    with pytest.raises(ValueError, match="all_gather_into_tensor with one rank needs equal sizes, got 6 and 3 elements"):
+        comm.all_gather_into_tensor(torch.zeros(6), torch.zeros(3))
+    with pytest.raises(ValueError, match="reduce_scatter_tensor with one rank needs equal sizes, got 2 and 4 elements"):
+        comm.reduce_scatter_tensor(torch.zeros(2), torch.zeros(4))
 
 
 def _peer_missing(rank, world_size):

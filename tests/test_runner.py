@@ -138,6 +138,12 @@ def test_bad_runner_arguments(tiny_runner):
     with pytest.raises(ValueError, match=r"generate\(\) needs an idle runner, but 1 requests"):
         tiny_runner.generate([[1]], 1)
     tiny_runner.step()
+    with pytest.raises(ValueError, match=r"timeout_s must be positive, got 0"):
+        ModelRunner(tiny_runner.model, config, device="cpu", num_kv_blocks=4, timeout_s=0)
+    with pytest.raises(ValueError, match="dp_group was given but torch.distributed is not initialized"):
+        ModelRunner(tiny_runner.model, config, device="cpu", num_kv_blocks=4, dp_group=object())
+    with pytest.raises(ValueError, match="this runner has no cudagraph_capture_sizes"):
+        tiny_runner.capture_graphs()
 
 
 # ----- CUDA (run on the GPU machine) ----------------------------------------------------------

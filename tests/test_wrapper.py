@@ -138,6 +138,46 @@ def test_errors_name_the_problem():
         UBatchWrapper(42)
 
 
+def test_more_bad_inputs_name_the_problem():
+    wrapper = UBatchWrapper(lambda x: x, num_ubatches=2, device="cpu")
+    with set_forward_context(42, ubatch_slices=split_batch([4, 4], 2)):
+        with pytest.raises(TypeError, match="attn_metadata must be a dict, a per-ubatch list of dicts, or None; got int"):
+            wrapper(torch.zeros(8))
+    from ubatch.scheduler import UbatchScheduler
+
+    with pytest.raises(ValueError, match="the scheduler runs 2 ubatches but num_ubatches=3"):
+        UBatchWrapper(lambda x: x, num_ubatches=3, scheduler=UbatchScheduler(2, "cpu"))
+    with pytest.raises(RuntimeError, match="no forward context is set"):
+        get_forward_context()
+    with pytest.raises(TypeError, match="override_forward_context expects a ForwardContext or None, got int"):
+        with override_forward_context(7):
+            pass
+    with pytest.raises(ValueError, match=r"num_tokens_across_dp must be non-empty and non-negative, got \(3, -1\)"):
+        with set_forward_context(None, num_tokens_across_dp=[3, -1]):
+            pass
+    with set_forward_context(None, num_tokens_across_dp=torch.tensor([3, 5])) as ctx:
+        assert ctx.dp_metadata.num_tokens_across_dp == (3, 5) and ctx.dp_metadata.max_tokens_across_dp == 5
+
+
+@pytest.mark.parametrize("outputs, message", [
+    ([None, 1], "ubatch outputs disagree: some returned None, others a value"),
+    ([1, 2], "cannot merge ubatch outputs of type int: they differ and are not tensors"),
+])
+def test_ubatch_outputs_that_cannot_merge_are_an_error(outputs, message):
+    returned = iter(outputs)
+    wrapper = UBatchWrapper(lambda x: next(returned), num_ubatches=2, device="cpu")
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
+        with pytest.raises(TypeError, match=message):
+            wrapper(torch.zeros(8))
+
+
+def test_equal_non_tensor_outputs_merge_to_one_value():
+    wrapper = UBatchWrapper(lambda x: ("tag", x), num_ubatches=2, device="cpu")
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
+        tag, out = wrapper(torch.arange(8.0))
+    assert tag == "tag" and torch.equal(out, torch.arange(8.0))
+
+
 def test_unwrap_and_attribute_fall_through():
     module = torch.nn.Linear(2, 3)
     wrapper = UBatchWrapper(module, device="cpu")
