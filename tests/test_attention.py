@@ -830,3 +830,12 @@ def test_math_until_runs_each_new_shape_on_the_math_path_first(monkeypatch):
 def test_math_until_must_be_a_count(value):
     with pytest.raises(ValueError, match="math_until must be an integer >= 0"):
         TorchBackend(math_until=value)
+
+
+def test_a_subclass_that_skips_init_keeps_torchs_pick():
+    class Counting(TorchBackend):
+        def __init__(self):
+            self.calls = 0
+
+    q, kv_cache, md = _decode_batch(2)
+    torch.testing.assert_close(Counting().forward(q, kv_cache, md, 0.5), TorchBackend().forward(q, kv_cache, md, 0.5))

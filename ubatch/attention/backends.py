@@ -54,6 +54,7 @@ class TorchBackend:
     take torch's pick (the plan is built once, at capture). The default 0 keeps torch's pick."""
 
     name = "torch"
+    math_until = 0  # a subclass that skips __init__ keeps torch's pick
 
     def __init__(self, *, math_until: int = 0) -> None:
         if isinstance(math_until, bool) or not isinstance(math_until, int) or math_until < 0:
