@@ -249,3 +249,13 @@ def test_release_frees_every_graph_and_later_steps_run_eagerly():
     with torch.inference_mode():
         torch.testing.assert_close(graphed.run(step.input_ids, step.positions, md),
                                    graphed.eager(step.input_ids, step.positions, md))
+
+
+def test_capture_sizes_gain_the_multiples_each_tokens_per_request_count_needs():
+    from ubatch.cudagraph import sizes_with_multiples
+
+    assert sizes_with_multiples([4, 8], [3]) == [4, 6, 8, 9]
+    assert sizes_with_multiples([4, 8, 16], []) == [4, 8, 16]
+    descs = make_descriptors(sizes_with_multiples([4, 8], [1, 3]), uniform_token_count=(1, 3))
+    full = {(d.num_tokens, d.uniform_token_count) for d in descs if d.cg_mode == CUDAGraphMode.FULL}
+    assert full == {(4, 1), (6, 1), (8, 1), (9, 1), (6, 3), (9, 3)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -67,6 +68,12 @@ class BatchExecutionDescriptor:
             object.__setattr__(self, "num_reqs", expected)
         if self.num_ubatches > self.num_tokens:
             raise ValueError(f"num_ubatches={self.num_ubatches} exceeds num_tokens={self.num_tokens}")
+
+
+def sizes_with_multiples(capture_sizes: Iterable[int], tokens_per_request: Iterable[int]) -> list[int]:
+    """The capture sizes, plus each rounded up to a multiple of every tokens-per-request count:
+    FULL graphs of a count exist only at sizes it divides."""
+    return sorted({math.ceil(s / u) * u for s in capture_sizes for u in (1, *tokens_per_request)})
 
 
 def make_descriptors(

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ubatch.attention import BlockPool, PagedKVCache, build_attention_metadata
 from ubatch.context import CUDAGraphMode, set_forward_context
-from ubatch.cudagraph import BatchExecutionDescriptor
+from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
@@ -245,8 +245,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
         per_request = 1 + self.num_speculative_tokens
-        sizes = set(capture_sizes) | {math.ceil(s / per_request) * per_request for s in capture_sizes}
-        return GraphedModel(self.model, capture_sizes=sorted(sizes), max_blocks_per_req=self._max_blocks_per_req,
+        return GraphedModel(self.model, capture_sizes=sizes_with_multiples(capture_sizes, [per_request]), max_blocks_per_req=self._max_blocks_per_req,
                             ubatch_counts=sorted({1, self.num_ubatches}), uniform_token_count=per_request)
 
     def capture_graphs(self) -> None:

@@ -16,7 +16,6 @@ capture skip attention, keyed on the descriptor like the target's.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from ubatch.attention import PagedKVCache, build_attention_metadata
 from ubatch.context import set_forward_context
+from ubatch.cudagraph import sizes_with_multiples
 from ubatch.graphed import GraphedModel, uniform_token_count
 from ubatch.models import Decoder
 
@@ -109,8 +109,8 @@ class DraftModel:
             if max_blocks_per_req is None:
                 raise ValueError("a drafter with capture_sizes needs max_blocks_per_req")
             widths = (1,) if catch_up_width is None else (1, catch_up_width)
-            sizes = {math.ceil(s / w) * w for s in capture_sizes for w in widths}
-            self.graphs = GraphedModel(model, capture_sizes=sorted(sizes), max_blocks_per_req=max_blocks_per_req,
+            self.graphs = GraphedModel(model, capture_sizes=sizes_with_multiples(capture_sizes, widths),
+                                       max_blocks_per_req=max_blocks_per_req,
                                        uniform_token_count=widths, graph_backend=graph_backend)
 
     def capture_graphs(self) -> None:
