@@ -29,6 +29,7 @@ from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
 from ubatch.sm import SMPartition
 from ubatch.trace import Interval, busy_ms
+from ubatch.teardown import import_before_init
 
 COMPUTE, COMM = 0, 1
 
@@ -131,6 +132,7 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
+    import_before_init()  # the profiler would otherwise pin the default group past its destruction
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
     config = ModelConfig.preset("moe-bench", **({"num_layers": args.layers} if args.layers else {}))

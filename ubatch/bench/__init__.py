@@ -32,7 +32,7 @@ from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.policy import SplitPolicy, calibrate
 from ubatch.sm import MODES, SMPartition
-from ubatch.teardown import destroy_process_groups_or_warn
+from ubatch.teardown import destroy_process_groups_or_warn, import_before_init
 
 logger = logging.getLogger("ubatch.bench")
 
@@ -166,6 +166,7 @@ def _device(choice: str, local_rank: int) -> torch.device:
 def _init_distributed(device: torch.device) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        import_before_init()  # --graphs profiles replays; the profiler would pin the default group
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
