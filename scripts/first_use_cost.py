@@ -9,8 +9,9 @@ the second replays the same shapes warm. Plans live per process, so run one proc
 
     python scripts/first_use_cost.py --sdpa default     # torch's pick for every call
     python scripts/first_use_cost.py --sdpa math        # the math path for every call
-    python scripts/first_use_cost.py --sdpa amortized   # TorchBackend(math_until=90): a shape's
-                                                        # first 90 calls on math, then torch's pick
+
+The torch attention backend keeps the shapes few (whole prompts unmasked, key lengths bucketed:
+see ``TorchBackend``); this measures what is left.
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes.
 """
@@ -34,11 +35,8 @@ from ubatch.runner import ModelRunner
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sdpa", choices=["default", "math", "amortized"], default="default",
-                   help="default: torch's pick (cuDNN on an H200); math: the math path for every call; "
-                        "amortized: a shape's first --math-until calls on math, then torch's pick")
-    p.add_argument("--math-until", type=int, default=90,
-                   help="amortized: calls per shape on the math path (plan cost / math's extra cost per call)")
+    p.add_argument("--sdpa", choices=["default", "math"], default="default",
+                   help="default: torch's pick (cuDNN or flash on an H200); math: the math path for every call")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)
@@ -74,16 +72,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int | str]:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     preset = args.preset or ("dense-bench" if cuda else "tiny")
     config = ModelConfig.preset(preset)
-    backend = TorchBackend(math_until=args.math_until) if args.sdpa == "amortized" else None
-    model = build_model(config, device=device, attn_backend=backend)
+    model = build_model(config, device=device, attn_backend=TorchBackend())
     blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,
                          max_num_seqs=args.requests, num_ubatches=args.num_ubatches)
     prompts, limits = staggered_requests(args, config.vocab_size)
     row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "sdpa": args.sdpa,
                                          "num_ubatches": args.num_ubatches}
-    if args.sdpa == "amortized":
-        row["math_until"] = args.math_until
     with sdpa_choice(args.sdpa):
         for name in ("cold", "warm"):
             if cuda:

@@ -30,7 +30,7 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
-from ubatch.attention.backends import load_flash_attn
+from ubatch.attention.backends import bucketed_blocks, load_flash_attn
 from ubatch.context import set_forward_context
 
 LAYER = "model.layers.0.attn"
@@ -787,55 +787,58 @@ def test_cuda_graph_replay_matches_eager():
     assert math.isfinite(graph_out.float().abs().max().item())
 
 
-# --- TorchBackend(math_until): new shapes on the math path ---------------------------------------
+# --- TorchBackend: few SDPA shapes in eager runs ---------------------------------------------------
 
 
-def _decode_batch(num_reqs, context=7, heads=4, kv_heads=2, head_dim=8, block_size=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    blocks = -(-(context + 1) // block_size)
-    kv_cache = torch.randn(2, num_reqs * blocks, block_size, kv_heads, head_dim, generator=g)
-    table = torch.arange(num_reqs * blocks, dtype=torch.int32).view(num_reqs, blocks)
-    md = build_attention_metadata([1] * num_reqs, [context + 1] * num_reqs, table,
-                                  torch.full((num_reqs,), -1, dtype=torch.int64))
-    return torch.randn(num_reqs, heads, head_dim, generator=g), kv_cache, md
+@settings(max_examples=200, deadline=None)
+@given(needed=st.integers(1, 5000), spare=st.integers(0, 5000))
+def test_bucketed_blocks_round_up_by_at_most_half_within_the_table(needed, spare):
+    available = needed + spare
+    got = bucketed_blocks(needed, available)
+    assert needed <= got <= available
+    assert got == available or 2 * got <= 3 * needed
+    assert got in {available} | {1, 2} | {b for k in range(14) for b in (1 << k, 3 << k)}
 
 
-def test_math_until_runs_each_new_shape_on_the_math_path_first(monkeypatch):
+def test_a_growing_context_meets_few_key_lengths():
+    lengths = {bucketed_blocks(n, 10_000) for n in range(1, 1025)}
+    assert len(lengths) == 20
+
+
+def _recording_sdpa(monkeypatch):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        calls.append((q.shape[0], k.shape[2], kw.get("is_causal", False), kw.get("attn_mask") is not None))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls
+
+
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_whole_prompts_take_unmasked_causal_sdpa_and_other_runs_a_bucketed_mask(heads, monkeypatch):
+    """(requests, key length, is_causal, masked) per SDPA call, against the reference outputs."""
+    calls = _recording_sdpa(monkeypatch)
+    sc = Scenario([30, 30, 30, 21], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=5)
+    sc.step([(0, 9), (1, 9), (2, 9)], num_pad=2)  # a uniform batch of whole prompts
+    assert calls == [(3, 9, True, False)]
+    calls.clear()
+    sc.step([(3, 21), (0, 1), (1, 1), (2, 5)])  # a prompt, two decodes at 10 keys, a continuation at 14
+    assert calls == [(1, 21, True, False), (2, 12, False, True), (1, 16, False, True)]
+    sc.check_cache()
+
+
+def test_a_captured_uniform_prompt_batch_keeps_the_masked_fixed_shape_path(monkeypatch):
     from ubatch.attention import backends
 
-    paths = []
-    sdpa = backends.F.scaled_dot_product_attention
-
-    def recording(*args, **kwargs):
-        only_math = torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
-        paths.append("math" if only_math else "pick")
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", recording)
-    backend, default = TorchBackend(math_until=2), TorchBackend()
-    q, kv_cache, md = _decode_batch(3)
-    outs = [backend.forward(q, kv_cache, md, 0.5) for _ in range(3)]
-    assert paths == ["math", "math", "pick"]
-    q4, kv4, md4 = _decode_batch(4)
-    backend.forward(q4, kv4, md4, 0.5)
-    assert paths[-1] == "math", "another shape starts its own count"
-    paths.clear()
-    expected = default.forward(q, kv_cache, md, 0.5)
-    assert paths == ["pick"], "the default keeps torch's pick"
-    for out in outs:
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("value", [-1, 1.5, True])
-def test_math_until_must_be_a_count(value):
-    with pytest.raises(ValueError, match="math_until must be an integer >= 0"):
-        TorchBackend(math_until=value)
-
-
-def test_a_subclass_that_skips_init_keeps_torchs_pick():
-    class Counting(TorchBackend):
-        def __init__(self):
-            self.calls = 0
-
-    q, kv_cache, md = _decode_batch(2)
-    torch.testing.assert_close(Counting().forward(q, kv_cache, md, 0.5), TorchBackend().forward(q, kv_cache, md, 0.5))
+    sc = Scenario([8, 8], num_heads=4, num_kv_heads=2, block_size=4, seed=6)
+    q, _, _, md = sc.batch([(0, 8), (1, 8)], num_pad=0)
+    q = q.view(q.shape[0], 4, -1)
+    eager = backends.TorchBackend().forward(q, sc.cache[LAYER], md, 0.5)
+    calls = _recording_sdpa(monkeypatch)
+    monkeypatch.setattr(backends, "_capturing", lambda q: True)
+    captured = backends.TorchBackend().forward(q, sc.cache[LAYER], md, 0.5)
+    assert calls == [(2, md.block_table.shape[1] * 4, False, True)]
+    torch.testing.assert_close(captured, eager)

@@ -129,8 +129,7 @@ def test_first_use_cost_math_choice_leaves_only_the_math_path():
     assert torch.backends.cuda.flash_sdp_enabled(), "the choice ends with the block"
 
 
-def test_first_use_cost_amortized_choice_counts_shapes_in_a_torch_backend(capsys):
-    row = first_use_cost.main(["--device", "cpu", "--requests", "4", "--prompt-len", "10", "--max-new-tokens", "4",
-                               "--sdpa", "amortized", "--math-until", "3"])
-    assert row["sdpa"] == "amortized" and row["math_until"] == 3
-    assert row["cold_tokens"] == row["warm_tokens"] > 4
+def test_first_use_cost_serves_the_same_tokens_cold_and_warm_on_the_torch_backend(capsys):
+    row = first_use_cost.main(["--device", "cpu", "--requests", "4", "--prompt-len", "10", "--max-new-tokens", "4"])
+    assert row["sdpa"] == "default" and row["cold_tokens"] == row["warm_tokens"] > 4
+    assert json.loads(capsys.readouterr().out) == row

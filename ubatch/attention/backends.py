@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention.metadata import AttentionMetadata
 
@@ -44,43 +43,26 @@ class TorchBackend:
     A uniform batch (every request has the same query length: decode, speculative
     verification) is one run over the whole block table, masked by the device-side
     ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured on it stays
-    right when the lengths and block ids change between replays.
+    right when the lengths and block ids change between replays (run eagerly, a uniform batch
+    of whole prompts takes the unmasked path below).
 
-    ``math_until`` n > 0 runs the first n eager calls of every SDPA shape on the math path. On an
-    H200 torch picks cuDNN, which builds a plan per new shape (34-55 ms, then 0.1-0.2 ms a call;
-    math costs 0.6-1.7 ms a call), so a runner whose batches keep changing shape stalls on plans
-    for shapes it may never meet again; with n around plan cost / math's extra cost, a shape
-    takes a plan only once it has recurred enough to repay it. Calls under graph capture always
-    take torch's pick (the plan is built once, at capture). The default 0 keeps torch's pick."""
+    Eager calls keep the shapes SDPA sees few, because on an H200 torch picks cuDNN, which
+    builds a plan per new shape (34-55 ms, then 0.1-0.2 ms a call) and a runner's batches keep
+    changing shape. A run of prompts with no cached context needs no mask: it attends its
+    ``query_len`` keys with ``is_causal``, which torch's flash kernel takes with no plan. Other runs
+    gather keys to a bucketed block count (``bucketed_blocks``: at most half again what is needed), so
+    a growing context meets a new key length only at bucket edges."""
 
     name = "torch"
-    math_until = 0  # a subclass that skips __init__ keeps torch's pick
-
-    def __init__(self, *, math_until: int = 0) -> None:
-        if isinstance(math_until, bool) or not isinstance(math_until, int) or math_until < 0:
-            raise ValueError(f"math_until must be an integer >= 0, got {math_until!r}")
-        self.math_until = math_until
-        self._calls_by_shape: dict[tuple, int] = {}
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
-        if query_len * num_reqs == metadata.num_actual_tokens:
+        if query_len * num_reqs == metadata.num_actual_tokens and not _eager_prompts(q, metadata, query_len):
             return _attend_run(q[: num_reqs * query_len], kv_cache, metadata.block_table, metadata.seq_lens,
-                               query_len, metadata.causal, scale, self._sdpa)
+                               query_len, metadata.causal, scale)
         return self._by_runs(q, kv_cache, metadata, scale)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """``F.scaled_dot_product_attention``, on the math path while its shape is new (``math_until``)."""
-        if self.math_until and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            key = (q.shape, k.shape, q.dtype, q.device)
-            seen = self._calls_by_shape.get(key, 0)
-            if seen < self.math_until:
-                self._calls_by_shape[key] = seen + 1
-                with sdpa_kernel([SDPBackend.MATH]):
-                    return F.scaled_dot_product_attention(q, k, v, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     def _by_runs(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
@@ -93,12 +75,38 @@ class TorchBackend:
             q_start, q_end = starts[first], starts[last]
             if q_start == q_end:
                 continue
-            num_blocks = -(-max(seq_lens[first:last]) // block_size)
+            query_len = (q_end - q_start) // (last - first)
+            if metadata.causal and all(n == query_len for n in seq_lens[first:last]):
+                out[q_start:q_end] = _attend_prompts(q[q_start:q_end], kv_cache, metadata.block_table[first:last],
+                                                     query_len, scale)
+                continue
+            num_blocks = bucketed_blocks(-(-max(seq_lens[first:last]) // block_size), metadata.block_table.shape[1])
             out[q_start:q_end] = _attend_run(
                 q[q_start:q_end], kv_cache, metadata.block_table[first:last, :num_blocks],
-                metadata.seq_lens[first:last], (q_end - q_start) // (last - first), metadata.causal, scale,
-                self._sdpa)
+                metadata.seq_lens[first:last], query_len, metadata.causal, scale)
         return out
+
+
+def _eager_prompts(q: torch.Tensor, metadata: AttentionMetadata, query_len: int) -> bool:
+    """Every request is a whole prompt (no cached context) and no graph is being captured, so
+    ``_by_runs`` may attend it without a mask (a captured uniform batch keeps the masked path)."""
+    if _capturing(q):
+        return False
+    return metadata.causal and bool((metadata.seq_lens_cpu == query_len).all())
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def bucketed_blocks(needed: int, available: int) -> int:
+    """``needed`` rounded up to the next of 2^k or 3 * 2^(k-1) (1, 2, 3, 4, 6, 8, 12, ...), at most
+    ``available``: keys gathered past a request's length are masked, so this changes only how
+    many distinct key lengths SDPA meets (and reads at most half again as many keys)."""
+    if needed <= 2:
+        return min(needed, available)
+    power = 1 << (needed - 1).bit_length()
+    return min(power * 3 // 4 if needed <= power * 3 // 4 else power, available)
 
 
 def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
@@ -113,29 +121,45 @@ def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[R, blocks * block_size, KVH, D]`` of the requests whose blocks ``block_table`` lists."""
+    k, v = (kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2)
+            for i in (0, 1))  # a row gather, 20% faster than advanced indexing on CPU
+    return k, v
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask: Any) -> torch.Tensor:
+    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``."""
+    num_reqs, query_len, num_heads, head_dim = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                       enable_gqa=num_heads != k.shape[2], **mask)
+    return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
+
+
+def _attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_len: int,
+                    scale: float) -> torch.Tensor:
+    """Requests whose keys are exactly their ``query_len`` query tokens: plain causal attention,
+    no mask tensor, so SDPA may take the flash kernel."""
+    num_blocks = -(-query_len // kv_cache.shape[2])
+    k, v = (t[:, :query_len] for t in _gather_kv(kv_cache, block_table[:, :num_blocks]))
+    return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, is_causal=True)
+
+
 def _attend_run(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    query_len: int, causal: bool, scale: float, sdpa: Callable[..., torch.Tensor],
+    query_len: int, causal: bool, scale: float,
 ) -> torch.Tensor:
     """One SDPA over ``R`` requests of ``query_len`` tokens each (``q [R * query_len, H, D]``),
     keys gathered through ``block_table [R, blocks]`` and masked past each request's
     ``seq_lens`` entry (and causally, bottom-right aligned)."""
-    num_reqs = block_table.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    k, v = (kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2)
-            for i in (0, 1))  # [R, L, KVH, D]; a row gather, 20% faster than advanced indexing on CPU
+    k, v = _gather_kv(kv_cache, block_table)
     key_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
     if causal:
         offsets = torch.arange(query_len, device=q.device) - query_len
         mask = key_pos <= (seq_lens.view(-1, 1) + offsets).unsqueeze(-1)  # [R, u, L]
     else:
         mask = (key_pos < seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
-    qr = q.view(num_reqs, query_len, num_heads, head_dim)
-    o = sdpa(
-        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
-        enable_gqa=num_heads != k.shape[2],
-    )
-    return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
+    return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, attn_mask=mask.unsqueeze(1))
 
 
 def _call_fa3(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
