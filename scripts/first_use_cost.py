@@ -1,17 +1,15 @@
 """What an eager runner pays the first time it meets each batch shape, per SDPA choice.
 
-cuDNN's SDPA (the torch backend's pick on an H200) builds a plan per new shape: 34-55 ms, then
-0.1-0.2 ms per call; the math path costs 0.6-1.7 ms every call (benchmarks/h200x2/explore/
-sdpa_cudnn_fresh_shapes.log). Which is better for serving depends on how often shapes repeat, so
-this serves staggered requests (prompt lengths and output lengths drawn at random, so batches
-change shape as requests finish) twice in one process: the first pass meets every shape cold,
-the second replays the same shapes warm. Plans live per process, so run one process per choice:
+cuDNN's SDPA (torch's pick on an H200) builds a plan per new shape: 34 ms to 1.1 s, then
+0.1-0.2 ms per call (benchmarks/h200x2/explore/sdpa_cudnn_fresh_shapes.log,
+first_use_sdpa_shapes.log); the torch attention backend therefore keeps cuDNN out of eager calls
+(see ``TorchBackend``): flash for whole prompts, math for masked runs. To show what a serving
+runner pays for new shapes, this serves staggered requests (prompt and output lengths drawn at
+random, so batches change shape as requests finish) twice in one process: the first pass meets
+every shape cold, the second replays the same shapes warm. Run one process per choice:
 
-    python scripts/first_use_cost.py --sdpa default     # torch's pick for every call
+    python scripts/first_use_cost.py --sdpa default     # the torch backend's choice
     python scripts/first_use_cost.py --sdpa math        # the math path for every call
-
-The torch attention backend keeps the shapes few (whole prompts unmasked, key lengths bucketed:
-see ``TorchBackend``); this measures what is left.
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes.
 """
@@ -36,7 +34,7 @@ from ubatch.runner import ModelRunner
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sdpa", choices=["default", "math"], default="default",
-                   help="default: torch's pick (cuDNN or flash on an H200); math: the math path for every call")
+                   help="default: the torch backend's choice (no cuDNN eagerly); math: the math path for every call")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)

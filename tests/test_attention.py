@@ -30,7 +30,7 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
-from ubatch.attention.backends import bucketed_blocks, load_flash_attn
+from ubatch.attention.backends import load_flash_attn
 from ubatch.context import set_forward_context
 
 LAYER = "model.layers.0.attn"
@@ -787,22 +787,7 @@ def test_cuda_graph_replay_matches_eager():
     assert math.isfinite(graph_out.float().abs().max().item())
 
 
-# --- TorchBackend: few SDPA shapes in eager runs ---------------------------------------------------
-
-
-@settings(max_examples=200, deadline=None)
-@given(needed=st.integers(1, 5000), spare=st.integers(0, 5000))
-def test_bucketed_blocks_round_up_by_at_most_half_within_the_table(needed, spare):
-    available = needed + spare
-    got = bucketed_blocks(needed, available)
-    assert needed <= got <= available
-    assert got == available or 2 * got <= 3 * needed
-    assert got in {available} | {1, 2} | {b for k in range(14) for b in (1 << k, 3 << k)}
-
-
-def test_a_growing_context_meets_few_key_lengths():
-    lengths = {bucketed_blocks(n, 10_000) for n in range(1, 1025)}
-    assert len(lengths) == 20
+# --- TorchBackend: eager SDPA without cuDNN plans ---------------------------------------------
 
 
 def _recording_sdpa(monkeypatch):
@@ -810,7 +795,8 @@ def _recording_sdpa(monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recording(q, k, v, **kw):
-        calls.append((q.shape[0], k.shape[2], kw.get("is_causal", False), kw.get("attn_mask") is not None))
+        calls.append((q.shape[0], k.shape[2], kw.get("is_causal", False), kw.get("attn_mask") is not None,
+                      torch.backends.cuda.cudnn_sdp_enabled()))
         return sdpa(q, k, v, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
@@ -819,18 +805,19 @@ def _recording_sdpa(monkeypatch):
 
 @pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
 def test_whole_prompts_take_unmasked_causal_sdpa_and_other_runs_a_bucketed_mask(heads, monkeypatch):
-    """(requests, key length, is_causal, masked) per SDPA call, against the reference outputs."""
+    """(requests, key length, is_causal, masked, cuDNN allowed) per SDPA call, against the
+    reference outputs: eager calls never allow cuDNN, whose plans cost up to a second per shape."""
     calls = _recording_sdpa(monkeypatch)
     sc = Scenario([30, 30, 30, 21], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=5)
     sc.step([(0, 9), (1, 9), (2, 9)], num_pad=2)  # a uniform batch of whole prompts
-    assert calls == [(3, 9, True, False)]
+    assert calls == [(3, 9, True, False, False)]
     calls.clear()
     sc.step([(3, 21), (0, 1), (1, 1), (2, 5)])  # a prompt, two decodes at 10 keys, a continuation at 14
-    assert calls == [(1, 21, True, False), (2, 12, False, True), (1, 16, False, True)]
+    assert calls == [(1, 21, True, False, False), (2, 12, False, True, False), (1, 16, False, True, False)]
     sc.check_cache()
 
 
-def test_a_captured_uniform_prompt_batch_keeps_the_masked_fixed_shape_path(monkeypatch):
+def test_a_captured_uniform_prompt_batch_keeps_the_masked_fixed_shape_path_and_torchs_pick(monkeypatch):
     from ubatch.attention import backends
 
     sc = Scenario([8, 8], num_heads=4, num_kv_heads=2, block_size=4, seed=6)
@@ -840,5 +827,5 @@ def test_a_captured_uniform_prompt_batch_keeps_the_masked_fixed_shape_path(monke
     calls = _recording_sdpa(monkeypatch)
     monkeypatch.setattr(backends, "_capturing", lambda q: True)
     captured = backends.TorchBackend().forward(q, sc.cache[LAYER], md, 0.5)
-    assert calls == [(2, md.block_table.shape[1] * 4, False, True)]
+    assert calls == [(2, md.block_table.shape[1] * 4, False, True, torch.backends.cuda.cudnn_sdp_enabled())]
     torch.testing.assert_close(captured, eager)

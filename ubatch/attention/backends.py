@@ -7,16 +7,20 @@ step's K/V) and the metadata; the layer zero-pads the rows after ``num_actual_to
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("torch", "flash")
+# Every SDPA backend but cuDNN, for eager calls: see TorchBackend.
+EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _INSTALL_HINT = "install it with `pip install ubatch[flash]`"
 
 
@@ -46,12 +50,12 @@ class TorchBackend:
     right when the lengths and block ids change between replays (run eagerly, a uniform batch
     of whole prompts takes the unmasked path below).
 
-    Eager calls keep the shapes SDPA sees few, because on an H200 torch picks cuDNN, which
-    builds a plan per new shape (34-55 ms, then 0.1-0.2 ms a call) and a runner's batches keep
-    changing shape. A run of prompts with no cached context needs no mask: it attends its
-    ``query_len`` keys with ``is_causal``, which torch's flash kernel takes with no plan. Other runs
-    gather keys to a bucketed block count (``bucketed_blocks``: at most half again what is needed), so
-    a growing context meets a new key length only at bucket edges."""
+    Eager calls never take cuDNN (``EAGER_SDPA_BACKENDS``): on an H200 torch picks it for every
+    call, and it builds a plan per new shape, 34 ms to 1.1 s each, while a runner's batches keep
+    changing shape (a staggered 32-request serve met 63 shapes: 6.3 s of plans against 0.07 s of
+    attention). Without it, a run of prompts with no cached context attends its ``query_len``
+    keys unmasked with ``is_causal`` (flash), other runs take the math path. Captured calls keep
+    torch's pick: a graph builds its plan once, at capture."""
 
     name = "torch"
 
@@ -80,7 +84,7 @@ class TorchBackend:
                 out[q_start:q_end] = _attend_prompts(q[q_start:q_end], kv_cache, metadata.block_table[first:last],
                                                      query_len, scale)
                 continue
-            num_blocks = bucketed_blocks(-(-max(seq_lens[first:last]) // block_size), metadata.block_table.shape[1])
+            num_blocks = -(-max(seq_lens[first:last]) // block_size)
             out[q_start:q_end] = _attend_run(
                 q[q_start:q_end], kv_cache, metadata.block_table[first:last, :num_blocks],
                 metadata.seq_lens[first:last], query_len, metadata.causal, scale)
@@ -97,16 +101,6 @@ def _eager_prompts(q: torch.Tensor, metadata: AttentionMetadata, query_len: int)
 
 def _capturing(q: torch.Tensor) -> bool:
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def bucketed_blocks(needed: int, available: int) -> int:
-    """``needed`` rounded up to the next of 2^k or 3 * 2^(k-1) (1, 2, 3, 4, 6, 8, 12, ...), at most
-    ``available``: keys gathered past a request's length are masked, so this changes only how
-    many distinct key lengths SDPA meets (and reads at most half again as many keys)."""
-    if needed <= 2:
-        return min(needed, available)
-    power = 1 << (needed - 1).bit_length()
-    return min(power * 3 // 4 if needed <= power * 3 // 4 else power, available)
 
 
 def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
@@ -129,10 +123,12 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask: Any) -> torch.Tensor:
-    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``."""
+    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``; eagerly
+    without cuDNN (see ``TorchBackend``)."""
     num_reqs, query_len, num_heads, head_dim = q.shape
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                       enable_gqa=num_heads != k.shape[2], **mask)
+    with contextlib.nullcontext() if _capturing(q) else sdpa_kernel(EAGER_SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                           enable_gqa=num_heads != k.shape[2], **mask)
     return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
 
 
