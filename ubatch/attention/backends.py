@@ -7,7 +7,6 @@ step's K/V) and the metadata; the layer zero-pads the rows after ``num_actual_to
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -19,8 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ubatch.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("torch", "flash")
-# Every SDPA backend but cuDNN, for eager calls: see TorchBackend.
-EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Every SDPA backend but cuDNN, for runs of whole prompts: see TorchBackend.
+PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _INSTALL_HINT = "install it with `pip install ubatch[flash]`"
 
 
@@ -47,15 +46,15 @@ class TorchBackend:
     A uniform batch (every request has the same query length: decode, speculative
     verification) is one run over the whole block table, masked by the device-side
     ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured on it stays
-    right when the lengths and block ids change between replays (run eagerly, a uniform batch
-    of whole prompts takes the unmasked path below).
+    right when the lengths and block ids change between replays.
 
-    Eager calls never take cuDNN (``EAGER_SDPA_BACKENDS``): on an H200 torch picks it for every
-    call, and it builds a plan per new shape, 34 ms to 1.1 s each, while a runner's batches keep
-    changing shape (a staggered 32-request serve met 63 shapes: 6.3 s of plans against 0.07 s of
-    attention). Without it, a run of prompts with no cached context attends its ``query_len``
-    keys unmasked with ``is_causal`` (flash), other runs take the math path. Captured calls keep
-    torch's pick: a graph builds its plan once, at capture."""
+    On an H200 torch picks cuDNN for every call, and cuDNN builds a plan per new shape (34 ms
+    to 1.1 s each, then 0.06-0.5 ms a call, where math takes 0.2-25 ms). Prompt lengths are
+    the shapes that seldom recur, so in a mixed batch a run of prompts with no cached context
+    attends its ``query_len`` keys unmasked with ``is_causal``, without cuDNN
+    (``PROMPT_SDPA_BACKENDS``: flash, no plan). Masked runs keep torch's pick. The choice depends
+    on the batch alone, never on whether a graph is being captured, so an eager warm-up runs
+    the kernels its capture records."""
 
     name = "torch"
 
@@ -63,7 +62,7 @@ class TorchBackend:
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
-        if query_len * num_reqs == metadata.num_actual_tokens and not _eager_prompts(q, metadata, query_len):
+        if query_len * num_reqs == metadata.num_actual_tokens:
             return _attend_run(q[: num_reqs * query_len], kv_cache, metadata.block_table, metadata.seq_lens,
                                query_len, metadata.causal, scale)
         return self._by_runs(q, kv_cache, metadata, scale)
@@ -91,18 +90,6 @@ class TorchBackend:
         return out
 
 
-def _eager_prompts(q: torch.Tensor, metadata: AttentionMetadata, query_len: int) -> bool:
-    """Every request is a whole prompt (no cached context) and no graph is being captured, so
-    ``_by_runs`` may attend it without a mask (a captured uniform batch keeps the masked path)."""
-    if _capturing(q):
-        return False
-    return metadata.causal and bool((metadata.seq_lens_cpu == query_len).all())
-
-
-def _capturing(q: torch.Tensor) -> bool:
-    return q.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
     """``[first, last)`` request ranges whose requests all have the same query length."""
     lengths = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
@@ -123,22 +110,21 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask: Any) -> torch.Tensor:
-    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``; eagerly
-    without cuDNN (see ``TorchBackend``)."""
+    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``."""
     num_reqs, query_len, num_heads, head_dim = q.shape
-    with contextlib.nullcontext() if _capturing(q) else sdpa_kernel(EAGER_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                           enable_gqa=num_heads != k.shape[2], **mask)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                       enable_gqa=num_heads != k.shape[2], **mask)
     return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
 
 
 def _attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_len: int,
                     scale: float) -> torch.Tensor:
     """Requests whose keys are exactly their ``query_len`` query tokens: plain causal attention,
-    no mask tensor, so SDPA may take the flash kernel."""
+    no mask tensor and no cuDNN plan."""
     num_blocks = -(-query_len // kv_cache.shape[2])
     k, v = (t[:, :query_len] for t in _gather_kv(kv_cache, block_table[:, :num_blocks]))
-    return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, is_causal=True)
+    with sdpa_kernel(PROMPT_SDPA_BACKENDS):
+        return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, is_causal=True)
 
 
 def _attend_run(
