@@ -2,13 +2,13 @@
 
 cuDNN's SDPA (torch's pick on an H200) builds a plan per new shape: 34 ms to 1.1 s, then
 0.1-0.2 ms per call (benchmarks/h200x2/explore/sdpa_cudnn_fresh_shapes.log,
-first_use_sdpa_shapes.log); the torch attention backend therefore runs whole prompts in mixed
-batches on flash (see ``TorchBackend``), while masked runs keep cuDNN. To show what a serving
-runner pays for new shapes, this serves staggered requests (prompt and output lengths drawn at
-random, so batches change shape as requests finish) twice in one process: the first pass meets
-every shape cold, the second replays the same shapes warm. Run one process per choice:
+first_use_sdpa_shapes.log), and the math path is 3-50x slower warm (sdpa_masked_decode_paths.log).
+To show what a serving runner pays for new shapes, this serves staggered requests (prompt and
+output lengths drawn at random, so batches change shape as requests finish) twice in one
+process: the first pass meets every shape cold, the second replays the same shapes warm. Run one
+process per choice:
 
-    python scripts/first_use_cost.py --sdpa default     # the torch backend's choice
+    python scripts/first_use_cost.py --sdpa default     # torch's pick (cuDNN on an H200)
     python scripts/first_use_cost.py --sdpa math        # the math path for every call
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes.
@@ -34,8 +34,7 @@ from ubatch.runner import ModelRunner
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sdpa", choices=["default", "math"], default="default",
-                   help="default: the torch backend's choice (flash for prompts in mixed batches, else torch's "
-                        "pick); math: the math path for every call")
+                   help="default: torch's pick (cuDNN on an H200); math: the math path for every call")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)

@@ -785,35 +785,3 @@ def test_cuda_graph_replay_matches_eager():
     assert torch.count_nonzero(graph_out[md.num_actual_tokens :]) == 0
     assert not torch.equal(graph_cache, cache_before)  # the replay did write this step's KV
     assert math.isfinite(graph_out.float().abs().max().item())
-
-
-# --- TorchBackend: eager SDPA without cuDNN plans ---------------------------------------------
-
-
-def _recording_sdpa(monkeypatch):
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(q, k, v, **kw):
-        calls.append((q.shape[0], k.shape[2], kw.get("is_causal", False), kw.get("attn_mask") is not None,
-                      torch.backends.cuda.cudnn_sdp_enabled()))
-        return sdpa(q, k, v, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    return calls
-
-
-@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
-def test_whole_prompts_in_a_mixed_batch_take_unmasked_causal_sdpa_without_cudnn(heads, monkeypatch):
-    """(requests, key length, is_causal, masked, cuDNN allowed) per SDPA call, against the
-    reference outputs: prompt lengths seldom recur, and cuDNN builds a plan per new shape."""
-    calls = _recording_sdpa(monkeypatch)
-    torchs_pick = torch.backends.cuda.cudnn_sdp_enabled()
-    sc = Scenario([30, 30, 30, 21], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=5)
-    sc.step([(0, 9), (1, 9), (2, 9)], num_pad=2)  # uniform: one masked run over the table, capture-safe
-    assert calls == [(3, 32, False, True, torchs_pick)]
-    calls.clear()
-    sc.step([(3, 21), (0, 1), (1, 1), (2, 5)])  # a prompt, two decodes at 10 keys, a continuation at 14
-    assert calls == [(1, 21, True, False, False), (2, 12, False, True, torchs_pick),
-                     (1, 16, False, True, torchs_pick)]
-    sc.check_cache()

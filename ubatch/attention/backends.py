@@ -13,13 +13,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("torch", "flash")
-# Every SDPA backend but cuDNN, for runs of whole prompts: see TorchBackend.
-PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _INSTALL_HINT = "install it with `pip install ubatch[flash]`"
 
 
@@ -48,13 +45,11 @@ class TorchBackend:
     ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured on it stays
     right when the lengths and block ids change between replays.
 
-    On an H200 torch picks cuDNN for every call, and cuDNN builds a plan per new shape (34 ms
-    to 1.1 s each, then 0.06-0.5 ms a call, where math takes 0.2-25 ms). Prompt lengths are
-    the shapes that seldom recur, so in a mixed batch a run of prompts with no cached context
-    attends its ``query_len`` keys unmasked with ``is_causal``, without cuDNN
-    (``PROMPT_SDPA_BACKENDS``: flash, no plan). Masked runs keep torch's pick. The choice depends
-    on the batch alone, never on whether a graph is being captured, so an eager warm-up runs
-    the kernels its capture records."""
+    On an H200 torch runs these calls on cuDNN, which builds a plan per new shape (34 ms to
+    1.1 s, then 0.06-0.5 ms a call): an eager runner whose batches keep changing shape pays it
+    again and again. The alternatives measured lost overall (``benchmarks/h200x2/explore``:
+    math is 3-50x slower warm; flash for whole prompts cut the cold pass 10% and the warm one
+    40%), so serve with flash-attn (``backend="flash"``) or FULL graphs where that matters."""
 
     name = "torch"
 
@@ -78,15 +73,10 @@ class TorchBackend:
             q_start, q_end = starts[first], starts[last]
             if q_start == q_end:
                 continue
-            query_len = (q_end - q_start) // (last - first)
-            if metadata.causal and all(n == query_len for n in seq_lens[first:last]):
-                out[q_start:q_end] = _attend_prompts(q[q_start:q_end], kv_cache, metadata.block_table[first:last],
-                                                     query_len, scale)
-                continue
             num_blocks = -(-max(seq_lens[first:last]) // block_size)
             out[q_start:q_end] = _attend_run(
                 q[q_start:q_end], kv_cache, metadata.block_table[first:last, :num_blocks],
-                metadata.seq_lens[first:last], query_len, metadata.causal, scale)
+                metadata.seq_lens[first:last], (q_end - q_start) // (last - first), metadata.causal, scale)
         return out
 
 
@@ -102,31 +92,6 @@ def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[R, blocks * block_size, KVH, D]`` of the requests whose blocks ``block_table`` lists."""
-    k, v = (kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2)
-            for i in (0, 1))  # a row gather, 20% faster than advanced indexing on CPU
-    return k, v
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask: Any) -> torch.Tensor:
-    """SDPA of ``q [R, u, H, D]`` over ``k, v [R, L, KVH, D]``, as ``[R * u, H, D]``."""
-    num_reqs, query_len, num_heads, head_dim = q.shape
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                       enable_gqa=num_heads != k.shape[2], **mask)
-    return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
-
-
-def _attend_prompts(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_len: int,
-                    scale: float) -> torch.Tensor:
-    """Requests whose keys are exactly their ``query_len`` query tokens: plain causal attention,
-    no mask tensor and no cuDNN plan."""
-    num_blocks = -(-query_len // kv_cache.shape[2])
-    k, v = (t[:, :query_len] for t in _gather_kv(kv_cache, block_table[:, :num_blocks]))
-    with sdpa_kernel(PROMPT_SDPA_BACKENDS):
-        return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, is_causal=True)
-
-
 def _attend_run(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     query_len: int, causal: bool, scale: float,
@@ -134,14 +99,22 @@ def _attend_run(
     """One SDPA over ``R`` requests of ``query_len`` tokens each (``q [R * query_len, H, D]``),
     keys gathered through ``block_table [R, blocks]`` and masked past each request's
     ``seq_lens`` entry (and causally, bottom-right aligned)."""
-    k, v = _gather_kv(kv_cache, block_table)
+    num_reqs = block_table.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k, v = (kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2)
+            for i in (0, 1))  # [R, L, KVH, D]; a row gather, 20% faster than advanced indexing on CPU
     key_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
     if causal:
         offsets = torch.arange(query_len, device=q.device) - query_len
         mask = key_pos <= (seq_lens.view(-1, 1) + offsets).unsqueeze(-1)  # [R, u, L]
     else:
         mask = (key_pos < seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
-    return _sdpa(q.view(block_table.shape[0], query_len, *q.shape[1:]), k, v, scale, attn_mask=mask.unsqueeze(1))
+    qr = q.view(num_reqs, query_len, num_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
+        enable_gqa=num_heads != k.shape[2],
+    )
+    return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)
 
 
 def _call_fa3(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
