@@ -2,7 +2,7 @@
 
 cuDNN's SDPA (torch's pick on an H200) builds a plan per new shape: 34 ms to 1.1 s, then
 0.1-0.2 ms per call (benchmarks/h200x2/explore/sdpa_cudnn_fresh_shapes.log,
-first_use_sdpa_shapes.log), and the math path is 3-50x slower warm (sdpa_masked_decode_paths.log).
+first_use_sdpa_shapes.log), and the math path is 3-51x slower warm (sdpa_masked_decode_paths.log).
 To show what a serving runner pays for new shapes, this serves staggered requests (prompt and
 output lengths drawn at random, so batches change shape as requests finish) twice in one
 process: the first pass meets every shape cold, the second replays the same shapes warm. Run one

@@ -6,8 +6,8 @@ masked runs take once cuDNN's per-shape plans are ruled out?
     PYTHONPATH=. python benchmarks/h200x2/explore/sdpa_masked_decode_paths.py
 
 Result (sdpa_masked_decode_paths.log): cuDNN 0.06-0.49 ms, math 0.20-25 ms, expanded efficient
-0.08-13 ms from 8 x 272 to 1024 x 512 (requests x keys). Math and efficient lose by 3-50x
-warm, so masked runs keep cuDNN and its plans; only whole prompts leave it.
+0.08-13 ms from 8 x 272 to 1024 x 512 (requests x keys). Warm, math loses 3-51x and expanded
+efficient 1.3-27x, so masked runs keep cuDNN and its plans.
 """
 import json
 
