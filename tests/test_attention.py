@@ -785,3 +785,96 @@ def test_cuda_graph_replay_matches_eager():
     assert torch.count_nonzero(graph_out[md.num_actual_tokens :]) == 0
     assert not torch.equal(graph_cache, cache_before)  # the replay did write this step's KV
     assert math.isfinite(graph_out.float().abs().max().item())
+
+
+# --- TorchBackend on torch's built-in varlen flash kernel (faked on CPU, real in the cuda tests) ---
+
+
+def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+                       scale, seqused_k):
+    """What ``aten::_flash_attention_forward`` computes, per request: queries
+    ``cum_seq_q[i]:cum_seq_q[i+1]`` over the first ``seqused_k[i]`` keys from ``cum_seq_k[i]``,
+    causal aligned to the bottom right."""
+    for t in (cum_seq_q, cum_seq_k, seqused_k):
+        assert t.dtype == torch.int32 and t.device == q.device
+    assert dropout_p == 0.0 and not return_debug_mask
+    assert len(cum_seq_q) == len(cum_seq_k) == len(seqused_k) + 1 and int(cum_seq_q[-1]) == q.shape[0]
+    outs = []
+    for i, used in enumerate(seqused_k.tolist()):
+        qs, qe, ks = int(cum_seq_q[i]), int(cum_seq_q[i + 1]), int(cum_seq_k[i])
+        assert qe - qs <= max_q and used <= max_k and ks + used <= int(cum_seq_k[i + 1]) <= k.shape[0]
+        n = qe - qs
+        mask = torch.arange(used)[None] <= torch.arange(n)[:, None] + used - n if is_causal else None
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), k[ks:ks + used].transpose(0, 1), v[ks:ks + used].transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs), None, None, None, None
+
+
+@pytest.fixture
+def builtin_flash(monkeypatch):
+    from ubatch.attention import backends, varlen
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fake_builtin_flash(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "_FLASH_FORWARD", recording)
+    monkeypatch.setattr(backends, "builtin_flash_supports", lambda q: True)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_builtin_flash_path_matches_the_reference_on_random_mixed_batches(seed, builtin_flash):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+    heads = rng.choice(GQA)
+    sc = Scenario(lengths, num_heads=heads[0], num_kv_heads=heads[1], block_size=rng.choice([1, 4, 16]), seed=seed)
+    steps = random_schedule(lengths, rng)
+    for chunks, pad in steps:
+        sc.step(chunks, num_pad=pad)
+    sc.check_cache()
+    assert len(builtin_flash) == len(steps), "one kernel call per step, whatever the mix"
+
+
+def test_builtin_flash_path_attends_the_whole_context_when_not_causal(builtin_flash):
+    sc = Scenario([12, 9, 15], num_heads=8, num_kv_heads=2, block_size=4, seed=7)
+    sc.step([(0, 3), (1, 5), (2, 1)])
+    chunks = [(0, 4), (1, 1), (2, 6)]
+    q, k, v, md = sc.batch(chunks, num_pad=2)
+    md.causal = False
+    with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
+        out = sc.layer(q, k, v)
+    expect = torch.cat([reference_attention(sc.q[r][sc.done[r]:sc.done[r] + n], sc.k[r], sc.v[r], sc.done[r],
+                                            sc.layer.scale, causal=False) for r, n in chunks]).flatten(1)
+    torch.testing.assert_close(out[:md.num_actual_tokens].double(), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)])
+def test_builtin_flash_is_only_for_cuda_half_precision(device, dtype):
+    from ubatch.attention.varlen import builtin_flash_supports
+
+    assert not builtin_flash_supports(torch.zeros(2, 4, 64, device=device, dtype=dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_torch_backend_takes_the_builtin_flash_kernel_and_agrees_with_sdpa(dtype, monkeypatch):
+    """On the GPU machine the torch backend's half-precision path is the built-in varlen flash
+    kernel; a mixed batch (prompt, continuation, decodes, padding) agrees with its SDPA path."""
+    from ubatch.attention import backends
+    from ubatch.attention.varlen import builtin_flash_supports
+
+    assert builtin_flash_supports(torch.empty(1, 8, 64, device="cuda", dtype=dtype))
+    sc = Scenario([70, 33, 90, 12], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+                  device="cuda", seed=8)
+    sc.step([(0, 50), (1, 33), (2, 20)], atol=2e-2, rtol=2e-2)
+    q, _, _, md = sc.batch([(3, 12), (0, 7), (1, 0), (2, 1)], num_pad=3)
+    qh = q[: md.num_actual_tokens].view(md.num_actual_tokens, 8, 64)
+    flash = backends.TorchBackend().forward(qh, sc.layer.kv_cache, md, sc.layer.scale)
+    monkeypatch.setattr(backends, "builtin_flash_supports", lambda q: False)
+    sdpa = backends.TorchBackend().forward(qh, sc.layer.kv_cache, md, sc.layer.scale)
+    torch.testing.assert_close(flash, sdpa, atol=2e-2, rtol=2e-2)

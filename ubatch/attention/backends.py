@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ubatch.attention.metadata import AttentionMetadata
+from ubatch.attention.varlen import builtin_flash_supports, varlen_flash_attention
 
 BACKEND_NAMES = ("torch", "flash")
 _INSTALL_HINT = "install it with `pip install ubatch[flash]`"
@@ -29,9 +30,9 @@ class AttentionBackend(Protocol):
 
 
 class TorchBackend:
-    """Reference backend, any device: gathers K/V from the block table and runs SDPA with a
-    bottom-right-aligned causal mask, grouped-query heads shared in place (``enable_gqa``, no
-    repeated KV copy).
+    """Reference backend, any device. Where torch's built-in flash kernel cannot run (see the
+    end), it gathers K/V from the block table and runs SDPA with a bottom-right-aligned causal
+    mask, grouped-query heads shared in place (``enable_gqa``, no repeated KV copy).
 
     Requests are attended a run at a time: consecutive requests with equal query lengths (equal
     prompts, a run of decodes) take one batched SDPA, each masked by its own key length, so host
@@ -45,17 +46,18 @@ class TorchBackend:
     ``seq_lens``: its kernels depend only on shapes, so a FULL CUDA graph captured on it stays
     right when the lengths and block ids change between replays.
 
-    On an H200 torch runs these calls on cuDNN, which builds a plan per new shape (34 ms to
-    1.1 s, then 0.06-0.5 ms a call): an eager runner whose batches keep changing shape pays it
-    again and again. The alternatives measured lost overall (``benchmarks/h200x2/explore``:
-    math is 3-50x slower warm; flash for whole prompts cut the cold pass 10% and the warm one
-    40%), so serve with flash-attn (``backend="flash"``) or FULL graphs where that matters."""
+    Where torch's built-in flash kernel runs (CUDA, fp16/bf16: ``builtin_flash_supports``) the
+    whole batch is instead one varlen flash call (``ubatch.attention.varlen``): on an H200 torch
+    would pick cuDNN for the SDPA calls, which builds a plan per new shape (34 ms to 1.1 s,
+    then 0.06-0.5 ms a call), and a serving runner's batches keep changing shape."""
 
     name = "torch"
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if builtin_flash_supports(q):
+            return varlen_flash_attention(q, kv_cache, metadata, scale)
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
         if query_len * num_reqs == metadata.num_actual_tokens:
             return _attend_run(q[: num_reqs * query_len], kv_cache, metadata.block_table, metadata.seq_lens,

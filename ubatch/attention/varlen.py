@@ -1,0 +1,60 @@
+"""Torch's built-in flash kernel over the whole batch: one call per layer, no mask, no plan.
+
+``aten::_flash_attention_forward`` takes variable-length queries (``cum_seq_q``) and, through
+``seqused_k``, reads only the first ``seq_lens[i]`` keys of each request's slot, causally aligned
+to the bottom right. So the torch backend gathers every request's blocks into slots of equal
+length ``L`` (the block table's width), points ``cum_seq_k`` at them and lets the kernel skip
+the padding. On an H200 (torch 2.11, bf16) a mixed batch takes 0.11-0.2 ms with the gather,
+0.15-0.27 ms the first time a shape is met: cuDNN's SDPA builds a plan of 34 ms to 1.1 s per
+new shape (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
+
+Every input is a device tensor or a shape, so the call is the same eagerly and under CUDA-graph
+capture. torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs
+CUDA, fp16 or bf16, sm80 or newer and a head size that is a multiple of 8 up to 256.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ubatch.attention.metadata import AttentionMetadata
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _flash_op() -> Any:
+    """The aten op, or None when this torch lacks it or its ``seqused_k`` argument."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or "seqused_k" not in str(op.default._schema):
+        return None
+    return op.default
+
+
+_FLASH_FORWARD = _flash_op()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm80_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def builtin_flash_supports(q: torch.Tensor) -> bool:
+    """Whether ``varlen_flash_attention`` can run on queries like ``q [T, H, D]``."""
+    return (_FLASH_FORWARD is not None and q.is_cuda and q.dtype in _FLASH_DTYPES
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _sm80_or_newer(q.device.index or 0))
+
+
+def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """``[num_actual_tokens, H, D]``: every request's queries over its own ``seq_lens`` keys."""
+    table = metadata.block_table
+    num_reqs, slot_len = table.shape[0], table.shape[1] * kv_cache.shape[2]
+    k, v = (kv_cache[i].index_select(0, table.flatten()).flatten(0, 1) for i in (0, 1))  # [R * L, KVH, D]
+    cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=q.device)
+    out = _FLASH_FORWARD(q[: metadata.num_actual_tokens], k, v, metadata.query_start_loc, cum_seq_k,
+                         metadata.max_query_len, slot_len, 0.0, metadata.causal, False, scale=scale,
+                         seqused_k=metadata.seq_lens)
+    return out[0]
