@@ -1,15 +1,19 @@
-"""What an eager runner pays the first time it meets each batch shape, per SDPA choice.
+"""What an eager runner pays the first time it meets each batch shape, per attention path.
 
 cuDNN's SDPA (torch's pick on an H200) builds a plan per new shape: 34 ms to 1.1 s, then
 0.1-0.2 ms per call (benchmarks/h200x2/explore/sdpa_cudnn_fresh_shapes.log,
-first_use_sdpa_shapes.log), and the math path is 3-51x slower warm (sdpa_masked_decode_paths.log).
-To show what a serving runner pays for new shapes, this serves staggered requests (prompt and
-output lengths drawn at random, so batches change shape as requests finish) twice in one
-process: the first pass meets every shape cold, the second replays the same shapes warm. Run one
-process per choice:
+first_use_sdpa_shapes.log), and the math path is 3-51x slower warm (sdpa_masked_decode_paths.log);
+the torch backend's built-in varlen flash path builds no plans (ubatch.attention.varlen). To show
+what a serving runner pays for new shapes, this serves staggered requests (prompt and output
+lengths drawn at random, so batches change shape as requests finish) twice in one process: the
+first pass meets every shape cold, the second replays the same shapes warm. Run one process per
+choice:
 
-    python scripts/first_use_cost.py --sdpa default     # torch's pick (cuDNN on an H200)
-    python scripts/first_use_cost.py --sdpa math        # the math path for every call
+    python scripts/first_use_cost.py --attention builtin_flash  # the torch backend's default
+    python scripts/first_use_cost.py --attention sdpa           # SDPA runs, torch's pick (cuDNN)
+    python scripts/first_use_cost.py --attention math           # SDPA runs on the math path
+
+The row's "path" says what ran: "builtin_flash" only where the kernel can (CUDA, fp16/bf16).
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes.
 """
@@ -27,14 +31,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention import TorchBackend
+from ubatch.attention.varlen import builtin_flash_supports
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sdpa", choices=["default", "math"], default="default",
-                   help="default: torch's pick (cuDNN on an H200); math: the math path for every call")
+    p.add_argument("--attention", choices=["builtin_flash", "sdpa", "math"], default="builtin_flash",
+                   help="builtin_flash: the torch backend's default (one varlen flash call per layer where it "
+                        "can run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)
@@ -47,12 +53,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def sdpa_choice(name: str) -> Iterator[None]:
-    """The SDPA backends every attention call may use inside the block."""
+    """The SDPA backends every SDPA call may use inside the block (the built-in flash kernel is
+    called directly and ignores it)."""
     if name == "math":
         with sdpa_kernel([SDPBackend.MATH]):
             yield
     else:
         yield
+
+
+def attention_path(backend: TorchBackend, config: ModelConfig, device: torch.device, choice: str) -> str:
+    """What the backend runs for this model: the built-in flash kernel only where it can."""
+    query = torch.empty(1, config.num_heads, config.head_dim, device=device, dtype=config.dtype)
+    if backend.builtin_flash and builtin_flash_supports(query):
+        return "builtin_flash"
+    return "sdpa_math" if choice == "math" else "sdpa"
 
 
 def staggered_requests(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
@@ -70,14 +85,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | int | str]:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     preset = args.preset or ("dense-bench" if cuda else "tiny")
     config = ModelConfig.preset(preset)
-    model = build_model(config, device=device, attn_backend=TorchBackend())
+    backend = TorchBackend(builtin_flash=args.attention == "builtin_flash")
+    model = build_model(config, device=device, attn_backend=backend)
     blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,
                          max_num_seqs=args.requests, num_ubatches=args.num_ubatches)
     prompts, limits = staggered_requests(args, config.vocab_size)
-    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "sdpa": args.sdpa,
+    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "attention": args.attention,
+                                         "path": attention_path(backend, config, device, args.attention),
                                          "num_ubatches": args.num_ubatches}
-    with sdpa_choice(args.sdpa):
+    with sdpa_choice(args.attention):
         for name in ("cold", "warm"):
             if cuda:
                 torch.cuda.synchronize(device)

@@ -853,6 +853,15 @@ def test_builtin_flash_path_attends_the_whole_context_when_not_causal(builtin_fl
     torch.testing.assert_close(out[:md.num_actual_tokens].double(), expect, atol=1e-5, rtol=1e-5)
 
 
+def test_builtin_flash_false_keeps_the_sdpa_runs(builtin_flash):
+    sc = Scenario([12, 9], num_heads=8, num_kv_heads=2, block_size=4, seed=9, backend=TorchBackend(builtin_flash=False))
+    sc.step([(0, 5), (1, 9)])
+    sc.step([(0, 1), (1, 0)])
+    assert builtin_flash == []
+    with pytest.raises(TypeError, match="builtin_flash must be a bool, got 'yes'"):
+        TorchBackend(builtin_flash="yes")
+
+
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)])
 def test_builtin_flash_is_only_for_cuda_half_precision(device, dtype):
     from ubatch.attention.varlen import builtin_flash_supports

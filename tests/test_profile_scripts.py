@@ -112,7 +112,8 @@ def test_first_use_cost_serves_the_same_requests_twice(capsys, num_ubatches):
     row = first_use_cost.main(["--device", "cpu", "--requests", "5", "--prompt-len", "12", "--max-new-tokens", "6",
                                "--num-ubatches", str(num_ubatches)])
     assert json.loads(capsys.readouterr().out) == row
-    assert row["sdpa"] == "default" and row["num_ubatches"] == num_ubatches
+    assert row["attention"] == "builtin_flash" and row["path"] == "sdpa", "no built-in flash kernel on CPU"
+    assert row["num_ubatches"] == num_ubatches
     assert row["cold_tokens"] == row["warm_tokens"] > 5
     assert row["cold_tokens_per_s"] > 0 and row["warm_tokens_per_s"] > 0
     _, limits = first_use_cost.staggered_requests(first_use_cost.parse_args(["--requests", "5", "--max-new-tokens", "6"]), 64)
@@ -129,7 +130,16 @@ def test_first_use_cost_math_choice_leaves_only_the_math_path():
     assert torch.backends.cuda.flash_sdp_enabled(), "the choice ends with the block"
 
 
-def test_first_use_cost_serves_the_same_tokens_cold_and_warm_on_the_torch_backend(capsys):
-    row = first_use_cost.main(["--device", "cpu", "--requests", "4", "--prompt-len", "10", "--max-new-tokens", "4"])
-    assert row["sdpa"] == "default" and row["cold_tokens"] == row["warm_tokens"] > 4
-    assert json.loads(capsys.readouterr().out) == row
+@pytest.mark.parametrize("choice, supported, path", [
+    ("builtin_flash", True, "builtin_flash"), ("sdpa", True, "sdpa"), ("math", True, "sdpa_math"),
+    ("builtin_flash", False, "sdpa"),
+])
+def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choice, supported, path):
+    import torch
+
+    from ubatch.attention import TorchBackend
+    from ubatch.models import ModelConfig
+
+    monkeypatch.setattr(first_use_cost, "builtin_flash_supports", lambda q: supported)
+    backend = TorchBackend(builtin_flash=choice == "builtin_flash")
+    assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), choice) == path

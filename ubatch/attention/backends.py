@@ -49,14 +49,21 @@ class TorchBackend:
     Where torch's built-in flash kernel runs (CUDA, fp16/bf16: ``builtin_flash_supports``) the
     whole batch is instead one varlen flash call (``ubatch.attention.varlen``): on an H200 torch
     would pick cuDNN for the SDPA calls, which builds a plan per new shape (34 ms to 1.1 s,
-    then 0.06-0.5 ms a call), and a serving runner's batches keep changing shape."""
+    then 0.06-0.5 ms a call), and a serving runner's batches keep changing shape.
+    ``builtin_flash=False`` keeps the SDPA runs everywhere (to compare them, or to rule the
+    kernel out)."""
 
     name = "torch"
+
+    def __init__(self, *, builtin_flash: bool = True) -> None:
+        if not isinstance(builtin_flash, bool):
+            raise TypeError(f"builtin_flash must be a bool, got {builtin_flash!r}")
+        self.builtin_flash = builtin_flash
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if builtin_flash_supports(q):
+        if self.builtin_flash and builtin_flash_supports(q):
             return varlen_flash_attention(q, kv_cache, metadata, scale)
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
         if query_len * num_reqs == metadata.num_actual_tokens:
