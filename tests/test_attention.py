@@ -860,6 +860,20 @@ def test_builtin_flash_false_keeps_the_sdpa_runs(builtin_flash):
         TorchBackend(builtin_flash="yes")
 
 
+def test_kv_slots_pack_each_request_s_own_blocks_unless_the_batch_is_uniform():
+    from ubatch.attention.varlen import kv_slots
+
+    table = torch.tensor([[5, 6, 7, 8], [9, 0, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
+    mixed = build_attention_metadata([13, 1, 2], [13, 3, 6], table, torch.full((16,), -1, dtype=torch.int64))
+    blocks, cum_seq_k, max_k = kv_slots(mixed, block_size=4)  # 13 keys: 4 blocks; 3 keys: 1; 6 keys: 2
+    assert blocks.tolist() == [5, 6, 7, 8, 9, 3, 4]
+    assert cum_seq_k.dtype == torch.int32 and cum_seq_k.tolist() == [0, 16, 20, 28] and max_k == 16
+    uniform = build_attention_metadata([2, 2, 2], [9, 3, 6], table, torch.full((6,), -1, dtype=torch.int64))
+    blocks, cum_seq_k, max_k = kv_slots(uniform, block_size=4)  # shapes alone: the table's width each
+    assert blocks.tolist() == table.flatten().tolist()
+    assert cum_seq_k.tolist() == [0, 16, 32, 48] and max_k == 16
+
+
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)])
 def test_builtin_flash_is_only_for_cuda_half_precision(device, dtype):
     from ubatch.attention.varlen import builtin_flash_supports

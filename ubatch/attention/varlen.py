@@ -2,9 +2,12 @@
 
 ``aten::_flash_attention_forward`` takes variable-length queries (``cum_seq_q``) and, through
 ``seqused_k``, reads only the first ``seq_lens[i]`` keys of each request's slot, causally aligned
-to the bottom right. So the torch backend gathers every request's blocks into slots of equal
-length ``L`` (the block table's width), points ``cum_seq_k`` at them and lets the kernel skip
-the padding. On an H200 (torch 2.11, bf16) a mixed batch takes 0.11-0.2 ms with the gather,
+to the bottom right. So the torch backend gathers each request's blocks into a slot of its own,
+points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each request's last block.
+A uniform batch gives every slot the block table's width, so its shapes are the same at every
+step (the FULL graphs capture uniform batches, whose host-side lengths are capture-time
+values); any other batch sizes each slot from the host copy of its length, so one long request
+does not make every other one gather its width. On an H200 (torch 2.11, bf16) a mixed batch takes 0.11-0.2 ms with the gather,
 0.15-0.27 ms the first time a shape is met: cuDNN's SDPA builds a plan of 34 ms to 1.1 s per
 new shape (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
@@ -50,11 +53,28 @@ def builtin_flash_supports(q: torch.Tensor) -> bool:
 def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                            scale: float) -> torch.Tensor:
     """``[num_actual_tokens, H, D]``: every request's queries over its own ``seq_lens`` keys."""
-    table = metadata.block_table
-    num_reqs, slot_len = table.shape[0], table.shape[1] * kv_cache.shape[2]
-    k, v = (kv_cache[i].index_select(0, table.flatten()).flatten(0, 1) for i in (0, 1))  # [R * L, KVH, D]
-    cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=q.device)
+    blocks, cum_seq_k, max_k = kv_slots(metadata, kv_cache.shape[2])
+    k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1) for i in (0, 1))  # [slots' tokens, KVH, D]
     out = _FLASH_FORWARD(q[: metadata.num_actual_tokens], k, v, metadata.query_start_loc, cum_seq_k,
-                         metadata.max_query_len, slot_len, 0.0, metadata.causal, False, scale=scale,
+                         metadata.max_query_len, max_k, 0.0, metadata.causal, False, scale=scale,
                          seqused_k=metadata.seq_lens)
     return out[0]
+
+
+def kv_slots(metadata: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cache block ids to gather, in slot order; ``cum_seq_k``, the int32 token offsets of the
+    slots; the longest slot), on the block table's device. Equal slots of the table's width for
+    a uniform batch, each request's own blocks otherwise (see the module docstring)."""
+    table = metadata.block_table
+    num_reqs, width = table.shape
+    if metadata.max_query_len * num_reqs == metadata.num_actual_tokens:
+        slot_len = width * block_size
+        cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
+        return table.flatten(), cum_seq_k, slot_len
+    per_request = (metadata.seq_lens_cpu.long() + block_size - 1) // block_size
+    ends = per_request.cumsum(0)
+    rows = torch.repeat_interleave(torch.arange(num_reqs), per_request)
+    columns = torch.arange(int(ends[-1])) - torch.repeat_interleave(ends - per_request, per_request)
+    blocks = table.flatten().index_select(0, (rows * width + columns).to(table.device))
+    cum_seq_k = torch.cat((ends.new_zeros(1), ends * block_size)).to(torch.int32).to(table.device)
+    return blocks, cum_seq_k, int(per_request.max()) * block_size
