@@ -7,9 +7,10 @@ points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each requ
 A uniform batch gives every slot the block table's width, so its shapes are the same at every
 step (the FULL graphs capture uniform batches, whose host-side lengths are capture-time
 values); any other batch sizes each slot from the host copy of its length, so one long request
-does not make every other one gather its width. On an H200 (torch 2.11, bf16) a mixed batch takes 0.11-0.2 ms with the gather,
-0.15-0.27 ms the first time a shape is met: cuDNN's SDPA builds a plan of 34 ms to 1.1 s per
-new shape (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
+does not make every other one gather its width. On an H200 (torch 2.11, bf16, equal slots) a
+mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27 ms the first time a shape is met, where
+cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
+(``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
 Every input is a device tensor or a shape, so the call is the same eagerly and under CUDA-graph
 capture. torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs
