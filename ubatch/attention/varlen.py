@@ -12,8 +12,8 @@ mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27 ms the first time a sha
 cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
 (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
-Every input is a device tensor or a shape, so the call is the same eagerly and under CUDA-graph
-capture. torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs
+For a uniform batch every input is a device tensor or a shape, so a FULL graph may capture the
+call (other batches run attention eagerly, between PIECEWISE graphs). torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs
 CUDA, fp16 or bf16, sm80 or newer and a head size that is a multiple of 8 up to 256.
 """
 
