@@ -30,6 +30,7 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
+from tests.builtin_flash_fake import fake_builtin_flash_enabled
 from ubatch.attention.backends import load_flash_attn
 from ubatch.context import set_forward_context
 
@@ -794,41 +795,10 @@ def test_cuda_graph_replay_matches_eager():
 # --- TorchBackend on torch's built-in varlen flash kernel (faked on CPU, real in the cuda tests) ---
 
 
-def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-                       scale, seqused_k):
-    """What ``aten::_flash_attention_forward`` computes, per request: queries
-    ``cum_seq_q[i]:cum_seq_q[i+1]`` over the first ``seqused_k[i]`` keys from ``cum_seq_k[i]``,
-    causal aligned to the bottom right."""
-    for t in (cum_seq_q, cum_seq_k, seqused_k):
-        assert t.dtype == torch.int32 and t.device == q.device
-    assert dropout_p == 0.0 and not return_debug_mask
-    assert len(cum_seq_q) == len(cum_seq_k) == len(seqused_k) + 1 and int(cum_seq_q[-1]) == q.shape[0]
-    outs = []
-    for i, used in enumerate(seqused_k.tolist()):
-        qs, qe, ks = int(cum_seq_q[i]), int(cum_seq_q[i + 1]), int(cum_seq_k[i])
-        assert qe - qs <= max_q and used <= max_k and ks + used <= int(cum_seq_k[i + 1]) <= k.shape[0]
-        n = qe - qs
-        mask = torch.arange(used)[None] <= torch.arange(n)[:, None] + used - n if is_causal else None
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1), k[ks:ks + used].transpose(0, 1), v[ks:ks + used].transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs), None, None, None, None
-
-
 @pytest.fixture
-def builtin_flash(monkeypatch):
-    from ubatch.attention import backends, varlen
-
-    calls = []
-
-    def recording(*args, **kwargs):
-        calls.append(args[0].shape)
-        return fake_builtin_flash(*args, **kwargs)
-
-    monkeypatch.setattr(varlen, "_FLASH_FORWARD", recording)
-    monkeypatch.setattr(backends, "builtin_flash_supports", lambda q: True)
-    return calls
+def builtin_flash():
+    with fake_builtin_flash_enabled() as calls:
+        yield calls
 
 
 @pytest.mark.parametrize("seed", range(4))

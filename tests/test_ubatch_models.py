@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
+from tests.builtin_flash_fake import fake_builtin_flash_enabled
 from tests.dist_utils import run_distributed
 from ubatch import set_forward_context
 from ubatch.bench.workload import make_step
@@ -101,6 +102,30 @@ def test_ubatched_moe_equals_unsplit_on_any_batch(moe_model, requests, num_ubatc
     for name in model.layer_names:
         cache[name].copy_(before[name])
     got = _forward(UBatchWrapper(model, num_ubatches=4, device=model.device), model, step, slices)
+    torch.testing.assert_close(got[: sum(query_lens)], expected[: sum(query_lens)], **TOL)
+
+
+@settings(max_examples=30, deadline=None)
+@given(requests=st.lists(_REQUEST, min_size=1, max_size=8), num_ubatches=st.integers(1, 4),
+       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_ubatched_moe_on_the_varlen_flash_path_equals_unsplit_sdpa(moe_model, requests, num_ubatches, block_size,
+                                                                   seed):
+    """The torch backend's varlen flash path (a CPU stand-in for the kernel) over the ubatches'
+    own metadata, straddling requests included, against the unsplit model on the SDPA runs."""
+    model = moe_model
+    query_lens, context_lens = map(list, zip(*requests))
+    step, cache = make_step(model, query_lens, context_lens, block_size=block_size, seed=seed)
+    try:
+        slices = step.slices(num_ubatches)
+    except ValueError:
+        reject()
+    before = {name: cache[name].clone() for name in model.layer_names}
+    expected = _forward(model, model, step)
+    for name in model.layer_names:
+        cache[name].copy_(before[name])
+    with fake_builtin_flash_enabled() as calls:
+        got = _forward(UBatchWrapper(model, num_ubatches=4, device=model.device), model, step, slices)
+    assert len(calls) == len(slices) * model.config.num_layers
     torch.testing.assert_close(got[: sum(query_lens)], expected[: sum(query_lens)], **TOL)
 
 
