@@ -48,7 +48,7 @@ def _sm80_or_newer(device_index: int) -> bool:
 def builtin_flash_supports(q: torch.Tensor) -> bool:
     """Whether ``varlen_flash_attention`` can run on queries like ``q [T, H, D]``."""
     return (_FLASH_FORWARD is not None and q.is_cuda and q.dtype in _FLASH_DTYPES
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _sm80_or_newer(q.device.index or 0))
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _sm80_or_newer(q.device.index))
 
 
 def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
