@@ -13,8 +13,9 @@ cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
 (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
 For a uniform batch every input is a device tensor or a shape, so a FULL graph may capture the
-call (other batches run attention eagerly, between PIECEWISE graphs). torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs
-CUDA, fp16 or bf16, sm80 or newer and a head size that is a multiple of 8 up to 256.
+call (other batches run attention eagerly, between PIECEWISE graphs). torch 2.11's public
+``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs CUDA, fp16 or bf16, sm80 or
+newer and a head size that is a multiple of 8 up to 256.
 """
 
 from __future__ import annotations
