@@ -28,8 +28,8 @@ from ubatch.bench.workload import make_step
 from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
 from ubatch.sm import SMPartition
-from ubatch.trace import Interval, busy_ms
 from ubatch.teardown import import_before_init
+from ubatch.trace import Interval, busy_ms
 
 COMPUTE, COMM = 0, 1
 
