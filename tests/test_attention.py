@@ -830,7 +830,8 @@ def test_builtin_flash_false_keeps_the_sdpa_runs(builtin_flash):
         TorchBackend(builtin_flash="yes")
 
 
-def test_kv_slots_pack_each_request_s_own_blocks_unless_the_batch_is_uniform():
+def test_kv_slots_pack_each_request_s_own_blocks_unless_the_batch_is_uniform_or_captured(monkeypatch):
+    from ubatch.attention import varlen
     from ubatch.attention.varlen import kv_slots
 
     table = torch.tensor([[5, 6, 7, 8], [9, 0, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
@@ -840,6 +841,10 @@ def test_kv_slots_pack_each_request_s_own_blocks_unless_the_batch_is_uniform():
     assert cum_seq_k.dtype == torch.int32 and cum_seq_k.tolist() == [0, 16, 20, 28] and max_k == 16
     uniform = build_attention_metadata([2, 2, 2], [9, 3, 6], table, torch.full((6,), -1, dtype=torch.int64))
     blocks, cum_seq_k, max_k = kv_slots(uniform, block_size=4)  # shapes alone: the table's width each
+    assert blocks.tolist() == table.flatten().tolist()
+    assert cum_seq_k.tolist() == [0, 16, 32, 48] and max_k == 16
+    monkeypatch.setattr(varlen, "_capturing", lambda device: True)
+    blocks, cum_seq_k, max_k = kv_slots(mixed, block_size=4)  # a replay may meet other lengths
     assert blocks.tolist() == table.flatten().tolist()
     assert cum_seq_k.tolist() == [0, 16, 32, 48] and max_k == 16
 

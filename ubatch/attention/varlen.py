@@ -4,18 +4,17 @@
 ``seqused_k``, reads only the first ``seq_lens[i]`` keys of each request's slot, causally aligned
 to the bottom right. So the torch backend gathers each request's blocks into a slot of its own,
 points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each request's last block.
-A uniform batch gives every slot the block table's width, so its shapes are the same at every
-step (the FULL graphs capture uniform batches, whose host-side lengths are capture-time
+A uniform batch, and any batch under a graph capture, gives every slot the block table's width,
+so the gather depends on shapes alone (host-side lengths would be frozen at their capture-time
 values); any other batch sizes each slot from the host copy of its length, so one long request
 does not make every other one gather its width. On an H200 (torch 2.11, bf16, equal slots) a
 mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27 ms the first time a shape is met, where
 cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
 (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
-For a uniform batch every input is a device tensor or a shape, so a FULL graph may capture the
-call (other batches run attention eagerly, between PIECEWISE graphs). torch 2.11's public
-``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs CUDA, fp16 or bf16, sm80 or
-newer and a head size that is a multiple of 8 up to 256.
+With equal slots every input is a device tensor or a shape, so a graph may capture the call.
+torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs CUDA, fp16
+or bf16, sm80 or newer and a head size that is a multiple of 8 up to 256.
 """
 
 from __future__ import annotations
@@ -46,6 +45,10 @@ def _sm80_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def builtin_flash_supports(q: torch.Tensor) -> bool:
     """Whether ``varlen_flash_attention`` can run on queries like ``q [T, H, D]``."""
     return (_FLASH_FORWARD is not None and q.is_cuda and q.dtype in _FLASH_DTYPES
@@ -66,10 +69,12 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
 def kv_slots(metadata: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(cache block ids to gather, in slot order; ``cum_seq_k``, the int32 token offsets of the
     slots; the longest slot), on the block table's device. Equal slots of the table's width for
-    a uniform batch, each request's own blocks otherwise (see the module docstring)."""
+    a uniform batch or under a capture, each request's own blocks otherwise (see the module
+    docstring)."""
     table = metadata.block_table
     num_reqs, width = table.shape
-    if metadata.max_query_len * num_reqs == metadata.num_actual_tokens:
+    uniform = metadata.max_query_len * num_reqs == metadata.num_actual_tokens
+    if uniform or _capturing(table.device):
         slot_len = width * block_size
         cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
         return table.flatten(), cum_seq_k, slot_len
