@@ -858,9 +858,10 @@ def test_builtin_flash_is_only_for_cuda_half_precision(device, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_torch_backend_takes_the_builtin_flash_kernel_and_agrees_with_sdpa(dtype, monkeypatch):
+def test_cuda_torch_backend_takes_the_builtin_flash_kernel_sync_free_and_agrees_with_sdpa(dtype, monkeypatch):
     """On the GPU machine the torch backend's half-precision path is the built-in varlen flash
-    kernel; a mixed batch (prompt, continuation, decodes, padding) agrees with its SDPA path."""
+    kernel; on a mixed batch (prompt, continuation, decodes, padding) it never waits for the GPU
+    and agrees with its SDPA path."""
     from ubatch.attention import backends
     from ubatch.attention.varlen import builtin_flash_supports
 
@@ -870,7 +871,11 @@ def test_cuda_torch_backend_takes_the_builtin_flash_kernel_and_agrees_with_sdpa(
     sc.step([(0, 50), (1, 33), (2, 20)], atol=2e-2, rtol=2e-2)
     q, _, _, md = sc.batch([(3, 12), (0, 7), (1, 0), (2, 1)], num_pad=3)
     qh = q[: md.num_actual_tokens].view(md.num_actual_tokens, 8, 64)
-    flash = backends.TorchBackend().forward(qh, sc.layer.kv_cache, md, sc.layer.scale)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash = backends.TorchBackend().forward(qh, sc.layer.kv_cache, md, sc.layer.scale)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     monkeypatch.setattr(backends, "builtin_flash_supports", lambda q: False)
     sdpa = backends.TorchBackend().forward(qh, sc.layer.kv_cache, md, sc.layer.scale)
     torch.testing.assert_close(flash, sdpa, atol=2e-2, rtol=2e-2)

@@ -7,7 +7,9 @@ points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each requ
 A uniform batch, and any batch under a graph capture, gives every slot the block table's width,
 so the gather depends on shapes alone (host-side lengths would be frozen at their capture-time
 values); any other batch sizes each slot from the host copy of its length, so one long request
-does not make every other one gather its width. On an H200 (torch 2.11, bf16, equal slots) a
+does not make every other one gather its width; the slot layout is built on the device, from
+host-side totals only, so the step never waits for the GPU (a pageable host-to-device copy would
+synchronize the stream in every layer). On an H200 (torch 2.11, bf16, equal slots) a
 mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27 ms the first time a shape is met, where
 cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
 (``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
@@ -78,10 +80,11 @@ def kv_slots(metadata: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
         slot_len = width * block_size
         cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
         return table.flatten(), cum_seq_k, slot_len
-    per_request = (metadata.seq_lens_cpu.long() + block_size - 1) // block_size
+    per_request = (metadata.seq_lens.long() + block_size - 1) // block_size  # on the device: no copy
+    num_blocks = int(((metadata.seq_lens_cpu.long() + block_size - 1) // block_size).sum())
     ends = per_request.cumsum(0)
-    rows = torch.repeat_interleave(torch.arange(num_reqs), per_request)
-    columns = torch.arange(int(ends[-1])) - torch.repeat_interleave(ends - per_request, per_request)
-    blocks = table.flatten().index_select(0, (rows * width + columns).to(table.device))
-    cum_seq_k = torch.cat((ends.new_zeros(1), ends * block_size)).to(torch.int32).to(table.device)
-    return blocks, cum_seq_k, int(per_request.max()) * block_size
+    rows = torch.repeat_interleave(per_request, output_size=num_blocks)
+    columns = torch.arange(num_blocks, device=table.device) - (ends - per_request).index_select(0, rows)
+    blocks = table.flatten().index_select(0, rows * width + columns)
+    cum_seq_k = torch.cat((ends.new_zeros(1), ends * block_size)).to(torch.int32)
+    return blocks, cum_seq_k, -(-metadata.max_seq_len // block_size) * block_size
