@@ -20,6 +20,8 @@ def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, i
         assert t.dtype == torch.int32 and t.device == q.device
     assert dropout_p == 0.0 and not return_debug_mask
     assert len(cum_seq_q) == len(cum_seq_k) == len(seqused_k) + 1 and int(cum_seq_q[-1]) == q.shape[0]
+    if max_q == 1 and q.shape[1] != k.shape[1]:  # the kernel folds query heads: one query per request
+        assert q.shape[0] == len(seqused_k), "max_seqlen_q == 1 needs exactly one query per request"
     outs = []
     for i, used in enumerate(seqused_k.tolist()):
         qs, qe, ks = int(cum_seq_q[i]), int(cum_seq_q[i + 1]), int(cum_seq_k[i])
@@ -36,13 +38,13 @@ def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, i
 @contextlib.contextmanager
 def fake_builtin_flash_enabled() -> Iterator[list]:
     """Inside the block the torch backend takes its flash path on any device, through the fake;
-    yields the list of query shapes it was called with."""
+    yields the list of calls, each as (query rows, ``max_seqlen_q``)."""
     from ubatch.attention import backends, varlen
 
     calls: list = []
 
     def recording(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape[0], args[5]))
         return fake_builtin_flash(*args, **kwargs)
 
     with mock.patch.object(varlen, "_FLASH_FORWARD", recording), \

@@ -1,22 +1,27 @@
-"""Torch's built-in flash kernel over the whole batch: one call per layer, no mask, no plan.
+"""Torch's built-in flash kernel over the batch: a call or three per layer, no mask, no plan.
 
 ``aten::_flash_attention_forward`` takes variable-length queries (``cum_seq_q``) and, through
 ``seqused_k``, reads only the first ``seq_lens[i]`` keys of each request's slot, causally aligned
 to the bottom right. So the torch backend gathers each request's blocks into a slot of its own,
 points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each request's last block.
-A uniform batch, and any batch under a graph capture, gives every slot the block table's width,
-so the gather depends on shapes alone (host-side lengths would be frozen at their capture-time
-values); any other batch sizes each slot from the host copy of its length, so one long request
-does not make every other one gather its width; the slot layout is built on the device, from
-host-side totals only, so the step never waits for the GPU (a pageable host-to-device copy would
-synchronize the stream in every layer). On an H200 (torch 2.11, bf16, equal slots) a
-mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27 ms the first time a shape is met, where
-cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new shape
-(``benchmarks/h200x2/explore/varlen_builtin_flash.*``).
 
-With equal slots every input is a device tensor or a shape, so a graph may capture the call.
-torch 2.11's public ``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs CUDA, fp16
-or bf16, sm80 or newer and a head size that is a multiple of 8 up to 256.
+- A uniform batch, and any batch under a graph capture, is one call that gives every slot the
+  block table's width: the gather depends on shapes alone (host-side lengths would be frozen
+  at their capture-time values), so a graph may capture it.
+- Any other batch sizes each slot from its own length, so one long request does not make every
+  other one gather its width. The layout is built on the device from host-side totals only: a
+  pageable host-to-device copy would synchronize the stream in every layer.
+- Its leading and trailing runs of decodes get calls of their own. Only when every query of a
+  call is a decode does the kernel fold a KV head's query heads into one tile; beside prompts,
+  each decode's lone query takes a tile per head. On the bench's mixed batch (1024 decodes over
+  512 cached tokens, six prompts of 512) that is 2.8 ms against 6.4 ms in one call; cuDNN's
+  SDPA, warm, takes 2.1 ms, and the gather alone 1.5 ms (``explore/varlen_mixed_decodes.*``).
+
+On an H200 (torch 2.11, bf16) a small mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27
+ms the first time a shape is met, where cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new
+shape (``benchmarks/h200x2/explore/varlen_builtin_flash.*``). torch 2.11's public
+``varlen_attn`` has no ``seqused_k``, hence the aten op. It needs CUDA, fp16 or bf16, sm80 or
+newer and a head size that is a multiple of 8 up to 256.
 """
 
 from __future__ import annotations
@@ -60,31 +65,65 @@ def builtin_flash_supports(q: torch.Tensor) -> bool:
 def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                            scale: float) -> torch.Tensor:
     """``[num_actual_tokens, H, D]``: every request's queries over its own ``seq_lens`` keys."""
-    blocks, cum_seq_k, max_k = kv_slots(metadata, kv_cache.shape[2])
-    k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1) for i in (0, 1))  # [slots' tokens, KVH, D]
-    out = _FLASH_FORWARD(q[: metadata.num_actual_tokens], k, v, metadata.query_start_loc, cum_seq_k,
-                         metadata.max_query_len, max_k, 0.0, metadata.causal, False, scale=scale,
-                         seqused_k=metadata.seq_lens)
-    return out[0]
-
-
-def kv_slots(metadata: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(cache block ids to gather, in slot order; ``cum_seq_k``, the int32 token offsets of the
-    slots; the longest slot), on the block table's device. Equal slots of the table's width for
-    a uniform batch or under a capture, each request's own blocks otherwise (see the module
-    docstring)."""
-    table = metadata.block_table
+    table, block_size = metadata.block_table, kv_cache.shape[2]
     num_reqs, width = table.shape
-    uniform = metadata.max_query_len * num_reqs == metadata.num_actual_tokens
-    if uniform or _capturing(table.device):
+    starts = metadata.query_start_loc_cpu.tolist()
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    if metadata.max_query_len * num_reqs == metadata.num_actual_tokens or _capturing(table.device):
         slot_len = width * block_size
         cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
-        return table.flatten(), cum_seq_k, slot_len
-    per_request = (metadata.seq_lens.long() + block_size - 1) // block_size  # on the device: no copy
-    num_blocks = int(((metadata.seq_lens_cpu.long() + block_size - 1) // block_size).sum())
+        return _attend(q[: metadata.num_actual_tokens], kv_cache, table.flatten(), metadata.query_start_loc,
+                       cum_seq_k, _max_query_len(lengths), slot_len, metadata.seq_lens, metadata.causal, scale)
+    parts = []
+    for first, last in decode_ends(lengths):
+        q_start, q_end = starts[first], starts[last]
+        if q_start == q_end:
+            continue
+        seq_lens = metadata.seq_lens[first:last]
+        blocks, cum_seq_k, max_k = packed_slots(table[first:last], seq_lens, metadata.seq_lens_cpu[first:last],
+                                                block_size)
+        parts.append(_attend(q[q_start:q_end], kv_cache, blocks, metadata.query_start_loc[first:last + 1] - q_start,
+                             cum_seq_k, _max_query_len(lengths[first:last]), max_k, seq_lens, metadata.causal,
+                             scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _max_query_len(lengths: list[int]) -> int:
+    """The ``max_seqlen_q`` to pass. At 1 the kernel folds each KV head's query heads into one
+    tile, assuming one query per request; a range that also holds empty requests says 2 (an
+    upper bound is all the kernel needs) to stay off that path."""
+    longest = max(lengths)
+    return 2 if longest == 1 and min(lengths) == 0 else longest
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, cum_seq_q: torch.Tensor,
+            cum_seq_k: torch.Tensor, max_q: int, max_k: int, seq_lens: torch.Tensor, causal: bool,
+            scale: float) -> torch.Tensor:
+    k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1) for i in (0, 1))  # [slots' tokens, KVH, D]
+    return _FLASH_FORWARD(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                          seqused_k=seq_lens)[0]
+
+
+def decode_ends(query_lens: list[int]) -> list[tuple[int, int]]:
+    """``[first, last)`` request ranges, in order and none empty: the batch's leading and trailing
+    runs of decodes (query length 1), each apart from the requests between them."""
+    head = next((r for r, n in enumerate(query_lens) if n != 1), len(query_lens))
+    tail = next((r for r in range(len(query_lens), head, -1) if query_lens[r - 1] != 1), head)
+    return [(a, b) for a, b in ((0, head), (head, tail), (tail, len(query_lens))) if a < b]
+
+
+def packed_slots(table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the block ids to gather, each request's own blocks in order; ``cum_seq_k``, the int32 token
+    offsets of the slots; the longest slot). The layout is computed on the device from
+    ``seq_lens``; the host copy gives only the totals that size it."""
+    width = table.shape[1]
+    per_request = (seq_lens.long() + block_size - 1) // block_size
+    host_blocks = (seq_lens_cpu.long() + block_size - 1) // block_size
+    num_blocks = int(host_blocks.sum())
     ends = per_request.cumsum(0)
     rows = torch.repeat_interleave(per_request, output_size=num_blocks)
     columns = torch.arange(num_blocks, device=table.device) - (ends - per_request).index_select(0, rows)
     blocks = table.flatten().index_select(0, rows * width + columns)
     cum_seq_k = torch.cat((ends.new_zeros(1), ends * block_size)).to(torch.int32)
-    return blocks, cum_seq_k, -(-metadata.max_seq_len // block_size) * block_size
+    return blocks, cum_seq_k, int(host_blocks.max()) * block_size
