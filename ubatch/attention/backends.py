@@ -48,9 +48,9 @@ class TorchBackend:
 
     Where torch's built-in flash kernel runs (CUDA, fp16/bf16: ``builtin_flash_supports``) the
     batch instead takes varlen flash calls (``ubatch.attention.varlen``: one, or one more for
-    each end run of decodes): on an H200 torch
-    would pick cuDNN for the SDPA calls, which builds a plan per new shape (34 ms to 1.1 s,
-    then 0.06-0.5 ms a call), and a serving runner's batches keep changing shape.
+    each end run of decodes): on an H200 torch would pick cuDNN for the SDPA calls, which
+    builds a plan per new shape (34 ms to 1.1 s, then 0.06-0.5 ms a call), and a serving
+    runner's batches keep changing shape.
     ``builtin_flash=False`` keeps the SDPA runs everywhere (to compare them, or to rule the
     kernel out)."""
 
