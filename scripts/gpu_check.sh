@@ -45,10 +45,11 @@ if want decode; then  # FULL graph replays, green partition
   slow run2 150 $decode --out "$OUT/moe_decode_graphs_slowlink_green.json" --label slow-link-graphs-green | tail -9
   run2 150 $decode --out "$OUT/moe_decode_graphs_nvlink_green.json" --label nvlink-graphs-green | tail -9
 fi
-if want first_use; then  # eager serving of staggered requests, one process per attention path (cuDNN plans are per process)
-  for attention in builtin_flash sdpa math; do for n in 1 2; do
+if want first_use; then  # eager serving of staggered requests, one process per attention path (cuDNN plans are
+  # per process) and repeat: identical processes spread widely, so the README reports medians
+  for repeat in $(seq "${FIRST_USE_REPEATS:-3}"); do for attention in builtin_flash sdpa math; do for n in 1 2; do
     timeout 150 python3 scripts/first_use_cost.py --attention "$attention" --num-ubatches "$n" 2>&1 | tail -1 | tee -a "$OUT/first_use_cost_1gpu.jsonl"
-  done; done
+  done; done; done
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12

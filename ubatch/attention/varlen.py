@@ -15,7 +15,8 @@ points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each requ
   call is a decode does the kernel fold a KV head's query heads into one tile; beside prompts,
   each decode's lone query takes a tile per head. On the bench's mixed batch (1024 decodes over
   512 cached tokens, six prompts of 512) that is 2.8 ms against 6.4 ms in one call; cuDNN's
-  SDPA, warm, takes 2.1 ms, and the gather alone 1.5 ms (``explore/varlen_mixed_decodes.*``).
+  SDPA, warm, takes 2.1 ms, and the gather alone 1.5 ms
+  (``benchmarks/h200x2/explore/varlen_mixed_decodes.*``).
 
 On an H200 (torch 2.11, bf16) a small mixed batch takes 0.11-0.2 ms with the gather, 0.15-0.27
 ms the first time a shape is met, where cuDNN's SDPA builds a plan of 34 ms to 1.1 s per new
