@@ -1,6 +1,6 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
-lane sat idle, kernel families that grow when split, the schedule bound's limits, and the
-first-use cost probe."""
+lane sat idle, kernel families that grow when split, the schedule bound's limits, the
+first-use cost probe and the policy replay."""
 
 import gzip
 import importlib.util
@@ -25,6 +25,7 @@ profile_step = _load("profile_step")
 profile_table = _load("profile_table")
 schedule_bound = _load("schedule_bound")
 first_use_cost = _load("first_use_cost")
+replay_policy = _load("replay_policy")
 
 
 def _trace():
@@ -143,3 +144,13 @@ def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choic
     monkeypatch.setattr(first_use_cost, "builtin_flash_supports", lambda q: supported)
     backend = TorchBackend(builtin_flash=choice == "builtin_flash")
     assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), choice) == path
+
+
+def test_replay_policy_prints_every_committed_pick_and_fails_below_the_floor(capsys, monkeypatch):
+    reports = replay_policy.auto_reports(ROOT / "benchmarks")
+    monkeypatch.setattr(sys, "argv", ["replay_policy.py"])
+    assert replay_policy.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) > len(reports) + 1 and out[-1].endswith(f"over {len(reports)} reports")
+    monkeypatch.setattr(sys, "argv", ["replay_policy.py", str(reports[0]), "--floor", "1.01"])
+    assert replay_policy.main() == 1

@@ -4,10 +4,9 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
 
 - the GPU: unsplit ``C(t) + M(t)`` (compute, then communication). Split, with ``c = C(t/N)``,
   ``m = M(t/N)`` and ``S`` pipeline stages (the collectives a step runs, e.g. two all-to-alls
-  per MoE layer): ``N * max(c, m) + min(c, m) / S + N * g``. The busier resource works N times
-  in a row, the other adds one stage of fill and drain, and ``g`` is what each ubatch costs the
-  GPU beyond its share (profiled on H200s: kernels running slower beside a collective, weights
-  that memory-bound expert GEMMs read again per ubatch, smaller kernels);
+  per MoE layer): ``(N * max(c, m) + min(c, m) / S) * k``. The busier resource works N times in
+  a row, the other adds one stage of fill and drain, and ``k`` is how much longer than that a
+  split step ran (profiled on H200s: collectives stretched beside compute, smaller kernels);
 - the host: launching an unsplit step costs ``h``, and each ubatch of a split step ``h_u`` (its
   share of the launches plus the hand-offs), so N ubatches cannot finish before ``N * h_u`` (what
   makes eager splits of small batches lose);
@@ -15,10 +14,15 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
 
 ``C`` is GPU compute per token (measured at the largest calibration size, where the GPU, not the
 host, is the bottleneck), ``M`` is linear in the tokens; ``h`` and ``h_u`` come from the unsplit
-and the two-ubatch step at the smallest size, where the host is the bottleneck, and ``g`` from the
-two-ubatch step at the largest size: what it took beyond the pipeline's prediction (never below
-zero). A split must beat unsplit by ``min_gain`` in the model, a margin for what it leaves out;
-without calibration a token threshold decides.
+and the two-ubatch step at the smallest size, where the host is the bottleneck, and ``k`` from the
+two-ubatch step at the largest size: its time over the pipeline's prediction (never below 1). A
+factor, not a fixed cost per ubatch, because those losses grow with the step: replayed on twelve
+H200 sweeps (``scripts/replay_policy.py``), a fixed cost fitted at 2048 tokens overstated the
+split at 1024 and picked 0.75x of the best, the factor stays within 0.988x everywhere. Weights
+that memory-bound expert GEMMs read again per ubatch are a fixed cost it leaves out; decode
+steps, where they weigh, replay graphs and pick by timing instead (``ubatch.bench``). A split
+must beat unsplit by ``min_gain`` in the model, a margin for what it leaves out; without
+calibration a token threshold decides.
 """
 
 from __future__ import annotations
@@ -54,11 +58,11 @@ class StepCosts:
     comm_ms: Linear
     host_ms: float = 0.0
     ubatch_host_ms: float = 0.0
-    ubatch_gpu_ms: float = 0.0
+    split_stretch: float = 1.0
     stages: int = 1
 
     def pipeline_ms(self, num_tokens: int, num_ubatches: int) -> float:
-        """GPU time of a split step without the per-ubatch overhead ``g``."""
+        """GPU time of a split step before the stretch ``k``."""
         c = self.compute_ms_per_token * num_tokens / num_ubatches
         m = self.comm_ms(num_tokens / num_ubatches)
         return num_ubatches * max(c, m) + min(c, m) / self.stages
@@ -67,7 +71,7 @@ class StepCosts:
         if num_ubatches == 1:
             gpu = self.compute_ms_per_token * num_tokens + self.comm_ms(num_tokens)
             return max(gpu, self.host_ms)
-        gpu = self.pipeline_ms(num_tokens, num_ubatches) + num_ubatches * self.ubatch_gpu_ms
+        gpu = self.pipeline_ms(num_tokens, num_ubatches) * self.split_stretch
         return max(gpu, num_ubatches * self.ubatch_host_ms)
 
 
@@ -91,8 +95,8 @@ def calibrate(
     comm = Linear.fit(list(samples), [m for _, m in samples.values()])
     costs = StepCosts(samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2,
                       stages=stages)
-    overhead = (step_time(largest, 2) - costs.pipeline_ms(largest, 2)) / 2
-    return dataclasses.replace(costs, ubatch_gpu_ms=max(0.0, overhead))
+    stretch = step_time(largest, 2) / costs.pipeline_ms(largest, 2)
+    return dataclasses.replace(costs, split_stretch=max(1.0, stretch))
 
 
 class SplitPolicy:

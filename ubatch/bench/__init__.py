@@ -284,9 +284,11 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
                       lambda t, n: calibration[t].baseline_ms if n == 1 else calibration[t].ubatched_ms,
                       args.calibrate_tokens, stages=stages)
     policy = SplitPolicy(costs, candidates=[1, *args.num_ubatches])
-    return {"costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
+    return {"calibration": {str(t): {"compute_ms": m.compute_ms, "comm_ms": m.comm_ms, "baseline_ms": m.baseline_ms,
+                                     "ubatched_ms": m.ubatched_ms} for t, m in calibration.items()},
+            "costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
                       "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms,
-                      "ubatch_gpu_ms": costs.ubatch_gpu_ms, "stages": costs.stages},
+                      "split_stretch": costs.split_stretch, "stages": costs.stages},
             "points": [_point(results, tokens, policy.decide(tokens)) for tokens in args.tokens]}
 
 
