@@ -16,9 +16,10 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
 host, is the bottleneck), ``M`` is linear in the tokens; ``h`` and ``h_u`` come from the unsplit
 and the two-ubatch step at the smallest size, where the host is the bottleneck, and ``k`` from the
 two-ubatch step at the largest size: its time over the pipeline's prediction (never below 1). A
-factor, not a fixed cost per ubatch, because those losses grow with the step: replayed on twelve
-H200 sweeps (``scripts/replay_policy.py``), a fixed cost fitted at 2048 tokens overstated the
-split at 1024 and picked 0.75x of the best, the factor stays within 0.988x everywhere. Weights
+factor, not a fixed cost per ubatch, because those losses grow with the step: replayed on the
+committed H200 sweeps (``scripts/replay_policy.py``), a fixed cost fitted at 2048 tokens
+overstated the split at 1024 and picked 0.75x of the best in one; the factor stays within
+0.988x on all of them. Weights
 that memory-bound expert GEMMs read again per ubatch are a fixed cost it leaves out; decode
 steps, where they weigh, replay graphs and pick by timing instead (``ubatch.bench``). A split
 must beat unsplit by ``min_gain`` in the model, a margin for what it leaves out; without

@@ -93,7 +93,7 @@ def _max_query_len(lengths: list[int]) -> int:
     """The ``max_seqlen_q`` to pass. At 1 the kernel folds each KV head's query heads into one
     tile, assuming one query per request; a range that also holds empty requests says 2 (an
     upper bound is all the kernel needs) to stay off that path."""
-    longest = max(lengths)
+    longest = max(lengths, default=0)
     return 2 if longest == 1 and min(lengths) == 0 else longest
 
 
