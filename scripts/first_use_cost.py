@@ -15,7 +15,9 @@ choice:
 
 The row's "path" says what ran: "builtin_flash" only where the kernel can (CUDA, fp16/bf16).
 
-Prints one JSON line: tokens, seconds and tokens/s of both passes.
+Prints one JSON line: tokens, seconds and tokens/s of both passes. Identical processes spread
+widely, so repeat them; ``--summarize rows.jsonl`` prints the median and range of each path and
+ubatch count, and the medians' ratio to the SDPA path's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import argparse
 import contextlib
 import json
 import math
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -39,8 +45,8 @@ from ubatch.runner import ModelRunner
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--attention", choices=["builtin_flash", "sdpa", "math"], default="builtin_flash",
-                   help="builtin_flash: the torch backend's default (one varlen flash call per layer where it "
-                        "can run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math")
+                   help="builtin_flash: the torch backend's default (varlen flash calls where the kernel can "
+                        "run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)
@@ -48,6 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest output (outputs draw from 1 up)")
     p.add_argument("--num-ubatches", type=int, default=1, help="ubatches per step (each meets shapes of its own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--summarize", type=Path, default=None, metavar="ROWS_JSONL",
+                   help="instead of serving, summarize rows this script printed")
     return p.parse_args(argv)
 
 
@@ -79,8 +87,46 @@ def staggered_requests(args: argparse.Namespace, vocab_size: int) -> tuple[list[
     return prompts, limits
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float | int | str]:
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (path, ubatch count): the runs, (median, lowest, highest) cold and warm tokens/s, and
+    each median over the SDPA path's at the same count (None without an SDPA row)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[row["path"], row["num_ubatches"]].append(row)
+    summary = []
+    for (path, n), group in groups.items():
+        entry: dict[str, Any] = {"path": path, "num_ubatches": n, "runs": len(group)}
+        for name in ("cold", "warm"):
+            values = sorted(row[f"{name}_tokens_per_s"] for row in group)
+            entry[name] = (statistics.median(values), values[0], values[-1])
+        summary.append(entry)
+    medians = {(e["path"], e["num_ubatches"]): e for e in summary}
+    for entry in summary:
+        sdpa = medians.get(("sdpa", entry["num_ubatches"]))
+        for name in ("cold", "warm"):
+            entry[f"{name}_vs_sdpa"] = entry[name][0] / sdpa[name][0] if sdpa else None
+    return summary
+
+
+def _print_summary(summary: Sequence[dict[str, Any]]) -> None:
+    print(f"{'path':>14} {'N':>2} {'runs':>4}  {'cold tokens/s (range)':>24} {'vs sdpa':>7}  "
+          f"{'warm tokens/s (range)':>24} {'vs sdpa':>7}")
+    for e in summary:
+        cells = []
+        for name in ("cold", "warm"):
+            median, low, high = e[name]
+            ratio = e[f"{name}_vs_sdpa"]
+            shown_ratio = f"{ratio:6.2f}x" if ratio is not None else "      -"
+            cells.append(f"{median:8.1f} ({low:.1f}-{high:.1f})".rjust(24) + " " + shown_ratio)
+        print(f"{e['path']:>14} {e['num_ubatches']:>2} {e['runs']:>4}  {cells[0]}  {cells[1]}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.summarize is not None:
+        summary = summarize([json.loads(line) for line in args.summarize.read_text().splitlines() if line.strip()])
+        _print_summary(summary)
+        return summary
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     preset = args.preset or ("dense-bench" if cuda else "tiny")

@@ -50,6 +50,7 @@ if want first_use; then  # eager serving of staggered requests, one process per 
   for repeat in $(seq "${FIRST_USE_REPEATS:-3}"); do for attention in builtin_flash sdpa math; do for n in 1 2; do
     timeout 150 python3 scripts/first_use_cost.py --attention "$attention" --num-ubatches "$n" 2>&1 | tail -1 | tee -a "$OUT/first_use_cost_1gpu.jsonl"
   done; done; done
+  python3 scripts/first_use_cost.py --summarize "$OUT/first_use_cost_1gpu.jsonl"
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12
