@@ -822,6 +822,19 @@ def test_builtin_flash_path_gives_decodes_at_either_end_a_call_of_their_own(buil
     assert builtin_flash == [(41, 10), (2, 1), (8, 5), (1, 1)]
 
 
+@settings(max_examples=60, deadline=None)
+@given(query_lens=st.lists(st.sampled_from([0, 1, 1, 1, 2, 5]), min_size=1, max_size=8), seed=st.integers(0, 99))
+def test_builtin_flash_path_on_decodes_and_empty_requests_anywhere_matches_the_reference(query_lens, seed):
+    """Decode runs at either end, empty requests beside them: every call keeps the kernel's
+    rules (the fake checks one query per request at ``max_seqlen_q == 1``) and the result is
+    the reference's."""
+    contexts = [3 + (seed * (r + 1)) % 9 for r in range(len(query_lens))]
+    sc = Scenario([c + n for c, n in zip(contexts, query_lens)], num_heads=8, num_kv_heads=2, block_size=4, seed=seed)
+    with fake_builtin_flash_enabled():
+        sc.step(list(enumerate(contexts)))
+        sc.step(list(enumerate(query_lens)), num_pad=seed % 3)
+
+
 def test_builtin_flash_path_under_a_capture_is_one_call_over_equal_slots(builtin_flash, monkeypatch):
     """Host-side lengths are frozen in a graph, so a captured batch depends on shapes alone."""
     from ubatch.attention import varlen

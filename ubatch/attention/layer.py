@@ -157,7 +157,7 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         out = q.new_zeros(num_tokens, self.num_heads, self.head_dim)
         if metadata is None:  # profiling / dummy run, or skip_attention
-            return out.view(num_tokens, -1)
+            return out.flatten(1)
         num_actual = metadata.num_actual_tokens
         if kv_cache is None:
             raise RuntimeError(
@@ -189,4 +189,4 @@ class Attention(nn.Module):
         if num_actual > 0:
             qh = q.view(num_tokens, self.num_heads, self.head_dim)
             out[:num_actual] = self._backend(q.device).forward(qh, kv_cache, metadata, self.scale)
-        return out.view(num_tokens, -1)
+        return out.flatten(1)
