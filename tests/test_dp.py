@@ -26,6 +26,7 @@ from ubatch.context import CUDAGraphMode
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
+from ubatch.policy import SplitPolicy
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 RUNNER = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
@@ -250,6 +251,24 @@ def test_local_ubatched_generation_equals_unsplit():
     assert runner.generate(prompts, 5) == expected
     assert any(d.should_ubatch for _, d in steps) and not all(d.should_ubatch for _, d in steps)
     assert all(d.num_tokens_across_dp == [real] for real, d in steps)
+
+
+def test_split_policy_keeps_the_runner_s_small_steps_whole():
+    """With a policy the runner splits only the steps it picks; the tokens stay the unsplit ones."""
+    config = ModelConfig.preset("tiny-moe")
+    model = build_model(config, device="cpu")
+    prompts = make_prompts(config, (3, 17, 40, 9, 1), seed=0)
+    expected = ModelRunner(model, config, device="cpu", **RUNNER).generate(prompts, 5)
+    runner = ModelRunner(model, config, device="cpu", num_ubatches=2, split_policy=SplitPolicy(threshold_tokens=12),
+                         **RUNNER)
+    steps = record_steps(runner)
+    assert runner.generate(prompts, 5) == expected
+    assert [d.should_ubatch for _, d in steps] == [real >= 12 for real, _ in steps]
+    assert any(d.should_ubatch for _, d in steps) and not all(d.should_ubatch for _, d in steps)
+    with pytest.raises(ValueError, match="split_policy needs num_ubatches >= 2, got 1"):
+        ModelRunner(model, config, device="cpu", split_policy=SplitPolicy(), **RUNNER)
+    with pytest.raises(TypeError, match="split_policy must have a decide"):
+        ModelRunner(model, config, device="cpu", num_ubatches=2, split_policy="auto", **RUNNER)
 
 
 @pytest.mark.multigpu

@@ -48,6 +48,7 @@ from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
+from ubatch.policy import SplitPolicy
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
 from ubatch.spec import DraftModel, DraftRequest, SpecStats, accept_greedy
@@ -145,7 +146,10 @@ class ModelRunner:
     """Serves greedy generation for one model on one rank with a paged KV cache.
 
     ``num_ubatches`` >= 2 runs the model through a ``UBatchWrapper`` on steps where every DP rank
-    can split (1: never split). ``dp_group`` makes this runner one data-parallel rank of that
+    can split (1: never split). ``split_policy`` (e.g. a calibrated ``ubatch.policy.SplitPolicy``)
+    then decides per step, from this rank's token count, whether it wants to: small steps, where
+    a split costs more than it hides, run whole. Its pick counts only as split or not, since
+    every DP rank must run the same ``num_ubatches``. ``dp_group`` makes this runner one data-parallel rank of that
     group (see the module docstring); ``timeout_s`` bounds the per-step vote and every wait
     inside a ubatch, so a peer that fails or hangs surfaces as an error, not a hang.
     ``draft_model`` with ``num_speculative_tokens`` turns on speculative decoding (with graphs
@@ -170,6 +174,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         draft_model: Decoder | None = None,
         num_speculative_tokens: int | None = None,
+        split_policy: SplitPolicy | None = None,
     ) -> None:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -178,6 +183,10 @@ class ModelRunner:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
+            raise TypeError(f"split_policy must have a decide(num_tokens) method, got {split_policy!r}")
+        if split_policy is not None and num_ubatches < 2:
+            raise ValueError(f"split_policy needs num_ubatches >= 2, got {num_ubatches}")
         self.model = model
         self.config = config
         self.device = _resolved(torch.device(device))
@@ -192,6 +201,7 @@ class ModelRunner:
         self._active: list[Request] = []
         self._next_id = 0
         self.num_ubatches = num_ubatches
+        self.split_policy = split_policy
         self.runnable = (UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
                          if num_ubatches > 1 else model)
         self._init_dp(dp_group, timeout_s)
@@ -405,7 +415,8 @@ class ModelRunner:
                cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> DPBatchDecision:
         """This step's ubatch decision, graph mode and per-rank token counts: voted across the DP
         group, or local without one. Expert-parallel ranks always run the maximum count."""
-        wants_ubatch = self.num_ubatches > 1
+        policy = self.split_policy
+        wants_ubatch = self.num_ubatches > 1 and (policy is None or policy.decide(num_tokens) > 1)
         padded = num_tokens if num_tokens_padded is None else num_tokens_padded
         if self._dp_group is None:
             return local_batch_decision(num_tokens, padded, wants_ubatch=wants_ubatch,
