@@ -1,13 +1,14 @@
 """Data-parallel greedy generation under torchrun: each rank serves its own random prompts.
 
-    torchrun --nproc-per-node 2 scripts/torchrun_generate.py --model moe --num-ubatches 2
+    torchrun --nproc-per-node 2 scripts/torchrun_generate.py --model moe --num-ubatches 2 [--split-policy auto]
 
 The MoE model runs DeepSeek-style: attention data-parallel (each rank its own requests and KV
 cache), experts expert-parallel over all ranks; the dense model is replicated per rank. Every
 rank steps until all are done (idle ranks run padding steps so the expert all-to-alls match).
 NCCL on CUDA (one GPU per local rank), gloo on CPU. Rank 0 prints generated tokens per second
 of a second pass over the same prompts: the first meets every shape (cuDNN builds an attention
-plan per new shape, see the README).
+plan per new shape, see the README). ``--split-policy auto`` first calibrates the split policy on
+the model (``ubatch.bench.calibration``), so steps too small to gain from a split run whole.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ubatch.bench import add_model_overrides, model_overrides
+from ubatch.bench.calibration import calibrated_policy
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
@@ -43,12 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; lengths are drawn from [len/2, len]")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--num-ubatches", type=int, default=1, help="1: never split; >= 2: split when every rank can")
+    p.add_argument("--split-policy", choices=["always", "auto"], default="always",
+                   help="auto: split only steps that the policy, calibrated on the model first, picks")
+    p.add_argument("--calibrate-tokens", default="256,2048", help="token counts --split-policy auto times")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for a peer")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.split_policy == "auto" and args.num_ubatches < 2:
+        p.error(f"--split-policy auto needs --num-ubatches >= 2, got {args.num_ubatches}")
+    try:
+        args.calibrate_tokens = [int(t) for t in args.calibrate_tokens.split(",")]
+    except ValueError:
+        p.error(f"--calibrate-tokens must be comma-separated integers, got {args.calibrate_tokens!r}")
     for name in ("prompts_per_rank", "prompt_len", "max_new_tokens", "num_ubatches", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -112,10 +123,14 @@ def generate_and_report(args: argparse.Namespace, device: torch.device, rank: in
     preset, config = model_config(args, device, world)
     group = dist.group.WORLD if world > 1 else None
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None)
+    policy = None
+    if args.split_policy == "auto":
+        policy = calibrated_policy(model, sizes=args.calibrate_tokens, num_ubatches=args.num_ubatches)
+        logger.info("split policy calibrated: %s", policy.costs)
     blocks = args.prompts_per_rank * math.ceil((args.prompt_len + args.max_new_tokens) / args.block_size)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=args.block_size,
                          max_num_batched_tokens=args.max_num_batched_tokens, num_ubatches=args.num_ubatches,
-                         dp_group=group, timeout_s=args.timeout)
+                         dp_group=group, timeout_s=args.timeout, split_policy=policy)
     prompts = random_prompts(args, config, rank)
     runner.generate(prompts, args.max_new_tokens)  # untimed: the timed run meets no shape for the first time
     cpu_group = dp_cpu_group(group, timeout_s=args.timeout) if group is not None else None
@@ -130,7 +145,7 @@ def generate_and_report(args: argparse.Namespace, device: torch.device, rank: in
     if rank == 0:
         tokens, requests = int(totals[0]), int(totals[1])
         print(f"{preset} on {world} x {device.type}, "
-              f"num_ubatches={args.num_ubatches}: {requests} requests, {tokens} tokens in {elapsed:.2f} s = "
+              f"num_ubatches={args.num_ubatches}, split policy {args.split_policy}: {requests} requests, {tokens} tokens in {elapsed:.2f} s = "
               f"{tokens / elapsed:.1f} tokens/s")
     if cpu_group is not None:
         dist.barrier(group=cpu_group)  # tear down in step: gloo aborts a rank whose peer left mid-teardown

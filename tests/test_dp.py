@@ -386,8 +386,19 @@ def torchrun_generate(nproc: int, *args: str) -> subprocess.CompletedProcess:
 def test_torchrun_generate_prints_throughput(nproc):
     result = torchrun_generate(nproc, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    expected = rf"tiny-moe on {nproc} x cpu, num_ubatches=2: {3 * nproc} requests, {12 * nproc} tokens in .* tokens/s"
+    expected = (rf"tiny-moe on {nproc} x cpu, num_ubatches=2, split policy always: {3 * nproc} requests, "
+                rf"{12 * nproc} tokens in .* tokens/s")
     assert re.search(expected, result.stdout)
+
+
+def test_torchrun_generate_calibrates_the_split_policy_on_every_rank_first():
+    result = torchrun_generate(2, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2",
+                               "--split-policy", "auto", "--calibrate-tokens", "32,96")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "split policy calibrated: StepCosts(" in result.stderr
+    assert re.search(r"num_ubatches=2, split policy auto: 6 requests, 24 tokens in .* tokens/s", result.stdout)
+    refused = torchrun_generate(1, "--split-policy", "auto")
+    assert refused.returncode != 0 and "--split-policy auto needs --num-ubatches >= 2, got 1" in refused.stderr
 
 
 def test_torchrun_generate_names_a_world_size_that_does_not_fit():
@@ -399,7 +410,7 @@ def test_torchrun_generate_names_a_world_size_that_does_not_fit():
 def test_torchrun_generate_num_experts_fits_the_preset_to_the_world_size():
     result = torchrun_generate(3, "--num-experts", "6", "--prompts-per-rank", "2", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"tiny-moe on 3 x cpu, num_ubatches=1: 6 requests, 18 tokens", result.stdout)
+    assert re.search(r"tiny-moe on 3 x cpu, num_ubatches=1, split policy always: 6 requests, 18 tokens", result.stdout)
 
 
 @pytest.mark.slow
@@ -407,4 +418,4 @@ def test_torchrun_generate_on_8_cpu_ranks_with_8_experts():
     result = torchrun_generate(8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3",
                       "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"tiny-moe on 8 x cpu, num_ubatches=2: 16 requests, 48 tokens", result.stdout)
+    assert re.search(r"tiny-moe on 8 x cpu, num_ubatches=2, split policy always: 16 requests, 48 tokens", result.stdout)

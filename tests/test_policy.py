@@ -115,3 +115,24 @@ def test_replayed_on_every_committed_h200_sweep_auto_stays_within_0_97_of_the_be
     assert len(reports) >= 12
     worst = min(point.vs_best for report in reports for point in replay(report))
     assert worst >= 0.97
+
+
+def test_calibrated_policy_times_the_model_and_gives_its_kv_caches_back():
+    from ubatch.bench.calibration import calibrated_policy
+    from ubatch.models import ModelConfig, build_model
+
+    from ubatch.bench.workload import make_step
+
+    model = build_model(ModelConfig.preset("tiny-moe"), device="cpu")
+    make_step(model, [4])  # binds a KV cache, as a runner would
+    before = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
+    policy = calibrated_policy(model, sizes=(32, 96), prompt_len=32, num_ubatches=3, warmup=0, repeats=1)
+    assert all(layer.kv_cache is before[name] for name, layer in model.attention_layers.items())
+    assert policy.candidates == [1, 3] and policy.costs.stages == 2 * model.config.num_layers
+    assert policy.costs.compute_ms_per_token > 0 and policy.costs.split_stretch >= 1.0
+    assert policy.decide(96) in (1, 3)
+    for kwargs, match in [(dict(num_ubatches=1), "num_ubatches must be an integer >= 2, got 1"),
+                          (dict(sizes=(64,)), "at least two token counts"),
+                          (dict(prompt_len=0), "prompt_len must be >= 1, got 0")]:
+        with pytest.raises(ValueError, match=match):
+            calibrated_policy(model, **kwargs)

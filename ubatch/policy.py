@@ -29,7 +29,7 @@ calibration a token threshold decides.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -98,6 +98,15 @@ def calibrate(
                       stages=stages)
     stretch = step_time(largest, 2) / costs.pipeline_ms(largest, 2)
     return dataclasses.replace(costs, split_stretch=max(1.0, stretch))
+
+
+def calibrate_from_samples(samples: Mapping[int, Mapping[str, float | None]], *, stages: int = 1) -> StepCosts:
+    """``calibrate`` from ``{tokens: {compute_ms, comm_ms, baseline_ms, ubatched_ms}}``: the unsplit
+    step's compute and communication measured apart, the unsplit step and the two-ubatch step, as
+    ``ubatch-bench`` keeps them in its reports."""
+    return calibrate(lambda t: (samples[t]["compute_ms"], samples[t]["comm_ms"]),
+                     lambda t, n: samples[t]["baseline_ms"] if n == 1 else samples[t]["ubatched_ms"],
+                     sorted(samples), stages=stages)
 
 
 class SplitPolicy:

@@ -30,7 +30,7 @@ from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.models import ModelConfig, build_model
-from ubatch.policy import SplitPolicy, calibrate
+from ubatch.policy import SplitPolicy, calibrate_from_samples
 from ubatch.sm import MODES, SMPartition
 from ubatch.teardown import destroy_process_groups_or_warn, import_before_init
 
@@ -279,13 +279,10 @@ def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measur
     if args.graphs:
         return {"note": GRAPH_POLICY_NOTE,
                 "points": [_point(results, tokens, _fastest_at_capture(results, tokens)) for tokens in args.tokens]}
-    calibration = {t: measure_at(t, 2) for t in args.calibrate_tokens}
-    costs = calibrate(lambda t: (calibration[t].compute_ms, calibration[t].comm_ms),
-                      lambda t, n: calibration[t].baseline_ms if n == 1 else calibration[t].ubatched_ms,
-                      args.calibrate_tokens, stages=stages)
+    calibration = {t: measure_at(t, 2).calibration_sample() for t in args.calibrate_tokens}
+    costs = calibrate_from_samples(calibration, stages=stages)
     policy = SplitPolicy(costs, candidates=[1, *args.num_ubatches])
-    return {"calibration": {str(t): {"compute_ms": m.compute_ms, "comm_ms": m.comm_ms, "baseline_ms": m.baseline_ms,
-                                     "ubatched_ms": m.ubatched_ms} for t, m in calibration.items()},
+    return {"calibration": {str(t): sample for t, sample in calibration.items()},
             "costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
                       "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms,
                       "split_stretch": costs.split_stretch, "stages": costs.stages},

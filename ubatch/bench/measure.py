@@ -87,6 +87,11 @@ class Measurement:
     capture_time_ms: dict[int, float] | None = None
     ubatched_busy_ms: tuple[float, float] | None = None  # (compute, comm) busy in one ubatched step
 
+    def calibration_sample(self) -> dict[str, float]:
+        """What ``ubatch.policy.calibrate_from_samples`` reads of a two-ubatch measurement."""
+        return {"compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "baseline_ms": self.baseline_ms,
+                "ubatched_ms": self.ubatched_ms}
+
     @property
     def speedup(self) -> float:
         return self.baseline_ms / self.ubatched_ms

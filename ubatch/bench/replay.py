@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ubatch.policy import Linear, SplitPolicy, StepCosts, calibrate
+from ubatch.policy import Linear, SplitPolicy, StepCosts, calibrate_from_samples
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,7 @@ def replay(report: dict[str, Any], **policy_kwargs: Any) -> list[ReplayedPoint]:
     """The current policy's pick at every sweep point of an eager ``--policy auto`` report."""
     if "costs" not in report.get("auto", {}):
         raise ValueError("the report has no eager --policy auto calibration (graph sweeps pick by timing)")
-    samples = calibration_samples(report)
-    stages = report["auto"]["costs"]["stages"]
-    costs = calibrate(lambda t: (samples[t]["compute_ms"], samples[t]["comm_ms"]),
-                      lambda t, n: samples[t]["baseline_ms"] if n == 1 else samples[t]["ubatched_ms"],
-                      sorted(samples), stages=stages)
+    costs = calibrate_from_samples(calibration_samples(report), stages=report["auto"]["costs"]["stages"])
     policy = SplitPolicy(costs, candidates=[1, *report["args"]["num_ubatches"]], **policy_kwargs)
     measured: dict[int, dict[int, float]] = {}
     for row in report["results"]:
