@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ubatch.bench import add_model_overrides, model_overrides
+from ubatch.bench import add_model_overrides, int_list, model_overrides
 from ubatch.bench.calibration import calibrated_policy
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-ubatches", type=int, default=1, help="1: never split; >= 2: split when every rank can")
     p.add_argument("--split-policy", choices=["always", "auto"], default="always",
                    help="auto: split only steps that the policy, calibrated on the model first, picks")
-    p.add_argument("--calibrate-tokens", default="256,2048", help="token counts --split-policy auto times")
+    p.add_argument("--calibrate-tokens", type=int_list, default=[256, 2048],
+                   help="token counts --split-policy auto times")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -56,10 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.split_policy == "auto" and args.num_ubatches < 2:
         p.error(f"--split-policy auto needs --num-ubatches >= 2, got {args.num_ubatches}")
-    try:
-        args.calibrate_tokens = [int(t) for t in args.calibrate_tokens.split(",")]
-    except ValueError:
-        p.error(f"--calibrate-tokens must be comma-separated integers, got {args.calibrate_tokens!r}")
     for name in ("prompts_per_rank", "prompt_len", "max_new_tokens", "num_ubatches", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

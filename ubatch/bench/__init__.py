@@ -40,7 +40,8 @@ GRAPH_POLICY_NOTE = ("graph replays: the policy picks the ubatch count whose gra
                      "short timing right after capture (capture_time_ms), separate from the measured figures")
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
     try:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
@@ -84,14 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["prefill", "decode", "mixed", "generate"], default="prefill",
                    help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks; "
                         "generate: tokens/s of whole generations, plain and speculative (one process)")
-    p.add_argument("--tokens", type=_int_list, default=[512], help="tokens per rank per step, e.g. 256,1024")
+    p.add_argument("--tokens", type=int_list, default=[512], help="tokens per rank per step, e.g. 256,1024")
     p.add_argument("--prompt-len", type=int, default=128, help="prefill: tokens per request")
     p.add_argument("--context-len", type=int, default=512, help="decode: cached tokens per request")
-    p.add_argument("--num-ubatches", type=_int_list, help="ubatch counts to try, e.g. 2,3,4 (default 2; "
+    p.add_argument("--num-ubatches", type=int_list, help="ubatch counts to try, e.g. 2,3,4 (default 2; "
                    "generate: 1, and only the first count is used)")
     p.add_argument("--requests", type=_positive_int, default=32, help="generate: requests per generation")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="generate: tokens generated per request")
-    p.add_argument("--spec-k", type=_int_list, default=[2, 4], help="generate: speculative tokens per step to try")
+    p.add_argument("--spec-k", type=int_list, default=[2, 4], help="generate: speculative tokens per step to try")
     p.add_argument("--drafter", type=_drafter_list, default=list(DRAFTERS),
                    help=f"generate: drafters to try ({', '.join(DRAFTERS)})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -102,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-sms", type=int, help="SMs for communication (default: ubatch.sm's)")
     p.add_argument("--policy", choices=["fixed", "auto"], default="fixed",
                    help="auto: also report what the calibrated split policy picks at every point")
-    p.add_argument("--calibrate-tokens", type=_int_list,
+    p.add_argument("--calibrate-tokens", type=int_list,
                    help="token counts the auto policy calibrates on (default 256,2048; quick: 64,256)")
     p.add_argument("--attention-share", type=float, default=DEFAULT_ATTENTION_SHARE,
                    help="share of a layer's compute before its first collective, for the schedule model's "
