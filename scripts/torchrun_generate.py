@@ -122,7 +122,8 @@ def generate_and_report(args: argparse.Namespace, device: torch.device, rank: in
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None)
     policy = None
     if args.split_policy == "auto":
-        policy = calibrated_policy(model, sizes=args.calibrate_tokens, num_ubatches=args.num_ubatches)
+        policy = calibrated_policy(model, sizes=args.calibrate_tokens, num_ubatches=args.num_ubatches,
+                                   seed=rank)  # EP ranks route tokens of their own, as in the bench
         logger.info("split policy calibrated: %s", policy.costs)
     blocks = args.prompts_per_rank * math.ceil((args.prompt_len + args.max_new_tokens) / args.block_size)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=args.block_size,

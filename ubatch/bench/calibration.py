@@ -19,7 +19,8 @@ def calibrated_policy(model: Any, *, sizes: Sequence[int] = (256, 2048), num_uba
     two ubatches, and fit the policy that chooses between 1 and ``num_ubatches``.
 
     With expert or tensor parallelism the steps run collectives: call it on every rank at the
-    same point, with the same sizes. It borrows the attention layers for its own KV cache and
+    same point, with the same sizes (and, for experts, a ``seed`` per rank, so each rank routes
+    tokens of its own; tensor-parallel ranks need the same one). It borrows the attention layers for its own KV cache and
     gives them back the caches they had."""
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int) or num_ubatches < 2:
         raise ValueError(f"num_ubatches must be an integer >= 2, got {num_ubatches!r}")
