@@ -271,6 +271,29 @@ def test_split_policy_keeps_the_runner_s_small_steps_whole():
         ModelRunner(model, config, device="cpu", num_ubatches=2, split_policy="auto", **RUNNER)
 
 
+def policy_body(rank: int, world_size: int) -> None:
+    """Rank 1's policy never splits, rank 0's splits from 12 tokens: the vote keeps every step
+    whole on both ranks (a split on one alone would mismatch the all-to-alls) and the tokens are
+    the single-process ones."""
+    config = moe_config(world_size)
+    prompts = [make_prompts(config, (3, 17, 40), seed=r) for r in range(world_size)]
+    reference_runner = ModelRunner(build_model(config, device="cpu"), config, device="cpu",
+                                   **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size))
+    reference = reference_runner.generate(sum(prompts, []), 4)
+    model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    policy = SplitPolicy(threshold_tokens=12 if rank == 0 else 10**9)
+    runner = ModelRunner(model, config, device="cpu", num_ubatches=2, dp_group=dist.group.WORLD, timeout_s=60,
+                         split_policy=policy, **RUNNER)
+    steps = record_steps(runner)
+    assert runner.generate(prompts[rank], 4) == reference[3 * rank:3 * rank + 3]
+    assert not any(d.should_ubatch for _, d in steps)
+    assert any(real >= 12 for real, _ in steps), "rank 0 had steps its policy would have split"
+
+
+def test_split_policies_that_disagree_across_dp_ranks_keep_every_step_whole():
+    run_distributed(policy_body, 2)
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("num_ubatches", [1, 2])
