@@ -117,7 +117,7 @@ class GraphedModel:
             return self.manager.replay(desc)
         slices = None
         if desc.num_ubatches > 1:
-            slices = split_batch(_query_lens(metadata), desc.num_ubatches, desc.num_tokens)
+            slices = split_batch(metadata.query_lens(), desc.num_ubatches, desc.num_tokens)
         with set_forward_context({n: metadata for n in self.model.layer_names},
                                  no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
                                  cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
@@ -136,7 +136,7 @@ class GraphedModel:
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
               *, num_ubatches: int = 1) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        slices = split_batch(_query_lens(metadata), num_ubatches) if num_ubatches > 1 else None
+        slices = split_batch(metadata.query_lens(), num_ubatches) if num_ubatches > 1 else None
         with torch.inference_mode(), set_forward_context(
             {n: metadata for n in self.model.layer_names}, no_compile_layers=self.model.attention_layers,
             ubatch_slices=slices, num_tokens=num_tokens,
@@ -164,7 +164,3 @@ def uniform_token_count(metadata: AttentionMetadata) -> int | None:
     if metadata.max_query_len * metadata.num_reqs == metadata.num_actual_tokens:
         return metadata.max_query_len
     return None
-
-
-def _query_lens(metadata: AttentionMetadata) -> list[int]:
-    return (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).tolist()

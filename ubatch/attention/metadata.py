@@ -37,6 +37,10 @@ class AttentionMetadata:
     def num_actual_tokens(self) -> int:
         return int(self.query_start_loc_cpu[-1])
 
+    def query_lens(self) -> list[int]:
+        """Each request's query length, from the CPU copy (no device sync)."""
+        return torch.diff(self.query_start_loc_cpu).tolist()
+
 
 def build_attention_metadata(
     query_lens: Sequence[int],

@@ -72,11 +72,11 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
     if uniform or _capturing(table.device):
         slot_len = width * block_size
         cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
-        max_q = metadata.max_query_len if uniform else _max_query_len(_query_lens(metadata))
+        max_q = metadata.max_query_len if uniform else _max_query_len(metadata.query_lens())
         return _attend(q[: metadata.num_actual_tokens], kv_cache, table.flatten(), metadata.query_start_loc,
                        cum_seq_k, max_q, slot_len, metadata.seq_lens, metadata.causal, scale)
     starts = metadata.query_start_loc_cpu.tolist()
-    lengths = _query_lens(metadata)
+    lengths = metadata.query_lens()
     parts = []
     for first, last in decode_ends(lengths):
         q_start, q_end = starts[first], starts[last]
@@ -89,10 +89,6 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
                              cum_seq_k, _max_query_len(lengths[first:last]), max_k, seq_lens, metadata.causal,
                              scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _query_lens(metadata: AttentionMetadata) -> list[int]:
-    return torch.diff(metadata.query_start_loc_cpu).tolist()
 
 
 def _max_query_len(lengths: list[int]) -> int:
