@@ -55,7 +55,7 @@ fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12
 if want generate; then  # DP+EP serving, every step split, then only the steps a calibrated policy picks
-  run2 120 scripts/torchrun_generate.py --model moe --num-ubatches 2 | tail -4
-  run2 180 scripts/torchrun_generate.py --model moe --num-ubatches 2 --split-policy auto | tail -4
+  run2 120 scripts/torchrun_generate.py --model moe --num-ubatches 2 | tail -4 | tee "$OUT/torchrun_generate.log"
+  run2 180 scripts/torchrun_generate.py --model moe --num-ubatches 2 --split-policy auto | tail -4 | tee -a "$OUT/torchrun_generate.log"
 fi
 exit 0
