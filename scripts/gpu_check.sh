@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode first_use spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode comm_waits first_use spec generate}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -51,6 +51,17 @@ if want first_use; then  # eager serving of staggered requests, one process per 
     timeout 150 python3 scripts/first_use_cost.py --attention "$attention" --num-ubatches "$n" 2>&1 | tail -1 | tee -a "$OUT/first_use_cost_1gpu.jsonl"
   done; done; done
   python3 scripts/first_use_cost.py --summarize "$OUT/first_use_cost_1gpu.jsonl"
+fi
+if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as transfer vs waiting for the peer
+  mkdir -p "$OUT/profiles"
+  for w in decode:256 decode:512 decode:1024 prefill:4096; do
+    workload=${w%:*} tokens=${w#*:} tag=_${w/:/}_graphs_slowlink_green
+    args=(--workload "$workload" --graphs --tokens "$tokens" --sm-partition green:16 --tag "$tag" --out "$OUT/profiles")
+    [ "$workload" = decode ] && args+=(--layers 4 --num-ubatches 1,2) || args+=(--num-ubatches 1,2,3)
+    slow run2 240 scripts/profile_step.py "${args[@]}" | grep '^{' | tee -a "$OUT/comm_waits.log"
+    python3 scripts/comm_waits.py "$OUT"/profiles/profile${tag}_rank{0,1}.json.gz | tee -a "$OUT/comm_waits.log"
+  done
+  tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12

@@ -5,7 +5,8 @@ For each SM partition and ubatch count, one step of the EP MoE model (prefill or
 replayed from CUDA graphs) is profiled with torch.profiler. Every kernel is kept as (name, kind,
 stream, start, end, host launch time), so one can tell compute starved by the host (a kernel
 launched after the previous one ended) from compute waiting on communication, see which kernels
-grow when a step is split, and whether NCCL kernels slow down beside compute. Writes
+grow when a step is split, and whether NCCL kernels slow down beside compute (``scripts/comm_waits.py``
+splits their time into transfer and waiting for the peer). Writes
 ``profile{tag}_rank{r}.json.gz`` and prints one summary line per configuration.
 """
 
@@ -34,6 +35,15 @@ from ubatch.trace import Interval, busy_ms
 COMPUTE, COMM = 0, 1
 
 
+def trace_origin(trace: dict[str, Any]) -> float:
+    """The trace's first kernel or launch, in the profiler's clock (us): rows are relative to it.
+    Ranks on one host share that clock, so origins line their timelines up."""
+    events = trace.get("traceEvents", [])
+    return min((e["ts"] for e in events if (e.get("cat") == "kernel" and e.get("ph") == "X")
+                or (e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}))),
+               default=0.0)
+
+
 def kernel_records(trace: dict[str, Any], names: dict[str, int]) -> list[list[float]]:
     """[name id, kind, stream, start_us, end_us, launch_us] per kernel, from the first launch;
     ``names`` maps kernel names to ids and grows as new names appear."""
@@ -41,7 +51,7 @@ def kernel_records(trace: dict[str, Any], names: dict[str, int]) -> list[list[fl
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    origin = min([*launches.values(), *(k["ts"] for k in kernels)], default=0.0)
+    origin = trace_origin(trace)
     rows = []
     for k in kernels:
         kind = COMM if "nccl" in k["name"].lower() else COMPUTE
@@ -79,8 +89,9 @@ def summarize(rows: list[list[float]]) -> dict[str, float]:
     }
 
 
-def profile_rows(fn: Any, device: torch.device, names: dict[str, int]) -> list[list[float]]:
-    """The kernels of one call of ``fn``, after a discarded profiled call (profiler start-up)."""
+def profile_rows(fn: Any, device: torch.device, names: dict[str, int]) -> tuple[list[list[float]], float]:
+    """The kernels of one call of ``fn``, after a discarded profiled call (profiler start-up), and
+    their origin (``trace_origin``)."""
     os.environ.setdefault("TEARDOWN_CUPTI", "0")  # CUPTI re-initialised can crash graph replays
     drain(device)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -93,7 +104,8 @@ def profile_rows(fn: Any, device: torch.device, names: dict[str, int]) -> list[l
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return kernel_records(json.load(f), names)
+            trace = json.load(f)
+    return kernel_records(trace, names), trace_origin(trace)
 
 
 def _step_calls(model: Any, step: Any, counts: list[int], partition: SMPartition, args: argparse.Namespace):
@@ -150,9 +162,9 @@ def main() -> None:
         partition.setup([group])
         for n, fn in _step_calls(model, step, [int(c) for c in args.num_ubatches.split(",")], partition, args):
             wall = median_ms(fn, device, warmup=2, repeats=5)
-            rows = profile_rows(fn, device, names)
+            rows, origin = profile_rows(fn, device, names)
             summary = {"mode": spec, "num_ubatches": n, "wall_ms": round(wall, 3), **summarize(rows)}
-            report["configs"].append({**summary, "kernels": rows})
+            report["configs"].append({**summary, "origin_us": origin, "kernels": rows})
             if rank == 0:
                 print(json.dumps(summary), flush=True)
     report["kernel_names"] = sorted(names, key=names.get)

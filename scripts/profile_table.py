@@ -39,7 +39,7 @@ def table(report: dict[str, Any], mode: str, top: int) -> str:
     names = report["kernel_names"]
     lines = []
     for n, config in sorted(configs.items()):
-        summary = {k: v for k, v in config.items() if k != "kernels"}
+        summary = {k: v for k, v in config.items() if k not in ("kernels", "origin_us")}
         lines.append(json.dumps(summary))
     unsplit = family_totals(configs[1], names)
     for n in sorted(c for c in configs if c > 1):

@@ -23,6 +23,7 @@ def _load(name):
 
 profile_step = _load("profile_step")
 profile_table = _load("profile_table")
+comm_waits = _load("comm_waits")
 schedule_bound = _load("schedule_bound")
 first_use_cost = _load("first_use_cost")
 replay_policy = _load("replay_policy")
@@ -47,6 +48,44 @@ def test_kernel_records_keep_kernels_with_their_launch_times():
     assert list(names) == ["void gemm<float>(int)", "ncclDevKernel_SendRecv(args)", "void add<half>(int)"]
     assert [r[:3] for r in rows] == [[0, 0, 7], [1, 1, 9], [0, 0, 7], [2, 0, 7]]
     assert rows[0][3:] == [5, 105, 0] and rows[3][3:] == [370, 380, 300]
+
+
+def test_trace_origin_is_the_first_launch_or_kernel():
+    assert profile_step.trace_origin(_trace()) == 100
+    assert profile_step.trace_origin({"traceEvents": []}) == 0.0
+
+
+def _config(n, comm, origin=0.0):
+    """A profiled configuration whose NCCL kernels are ``comm`` (start, end) pairs, beside a gemm."""
+    kernels = [[0, 0, 7, 0, 50, 0], [0, 0, 8, 40, 80, 0]] + [[1, 1, 9, a, b, 0] for a, b in comm]
+    return {"mode": "green:16", "num_ubatches": n, "wall_ms": 0.3 if n == 1 else 0.25, "origin_us": origin,
+            "kernels": kernels}
+
+
+def test_comm_waits_split_kernel_time_into_transfer_and_waiting():
+    # unsplit: both ranks enter together, 100 us each. Split: rank 1 reaches the first
+    # collective 30 us late (rank 0 spins) and the second takes 60 us on both ranks
+    rank0 = {"configs": [_config(1, [(100, 200)]), _config(2, [(100, 190), (200, 260)], origin=1000.0)]}
+    rank1 = {"configs": [_config(1, [(100, 200)]), _config(2, [(125, 185), (195, 255)], origin=1005.0)]}
+    unsplit, split = comm_waits.waits_table([rank0, rank1])
+    assert unsplit["transfer_ms"] == pytest.approx(0.1) and unsplit["waiting_ms"] == [0.0, 0.0]
+    assert split["comm_kernels"] == 2 and split["busy_ms"] == [0.15, 0.12]
+    assert split["transfer_ms"] == pytest.approx(0.12) and split["waiting_ms"] == [0.03, 0.0]
+    assert split["transfer_stretch"] == pytest.approx(1.2) and split["busy_stretch"] == pytest.approx(1.35)
+    assert split["end_skew_us_median"] == 0.0
+    # compute lane busy 0.08 ms (overlapping kernels count once); unsplit C 0.08, M 0.1: ideal 1.8
+    assert unsplit["compute_busy_ms"] == pytest.approx(0.08) and "efficiency" not in unsplit
+    assert split["speedup"] == pytest.approx(1.2) and split["ideal_speedup"] == pytest.approx(1.8)
+    assert split["bound_speedup"] == pytest.approx(2.5) and split["efficiency"] == pytest.approx(0.25)
+    assert split["efficiency_bound"] == pytest.approx(1.875)
+
+
+def test_comm_waits_refuse_ranks_that_disagree():
+    rank0 = {"configs": [_config(1, [(0, 10), (20, 30)])]}
+    with pytest.raises(ValueError, match=r"different numbers of NCCL kernels: \[2, 1\]"):
+        comm_waits.waits_table([rank0, {"configs": [_config(1, [(0, 10)])]}])
+    with pytest.raises(ValueError, match="N=2 is missing from the report of rank"):
+        comm_waits.waits_table([{"configs": [_config(2, [(0, 10)])]}, rank0])
 
 
 def test_summary_splits_compute_idle_time_into_host_and_waiting():
