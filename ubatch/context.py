@@ -71,6 +71,18 @@ class ForwardContext:
     num_tokens: int | None = None
     ubatch_id: int | None = None
 
+    @property
+    def step_memo(self) -> dict[Any, Any]:
+        """Values derived once per forward pass and shared by its layers (such as an attention
+        layout built from the step's metadata), dropped with the context: nothing derived from
+        one step's tensors, which a runner may refill in place, reaches the next step.
+
+        A cache of the fields, not a field: each context, a ubatch's derived one included
+        (``dataclasses.replace`` builds a new object), starts with an empty memo of its own, and
+        the memo takes no part in repr or comparison.
+        """
+        return self.__dict__.setdefault("_step_memo", {})
+
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
     "ubatch_forward_context", default=None

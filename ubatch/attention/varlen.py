@@ -1,4 +1,4 @@
-"""Torch's built-in flash kernel over the batch: a call or three per layer, no mask, no plan.
+"""Torch's built-in flash kernel over the batch: a call or three per layer, no mask, no cuDNN plan.
 
 ``aten::_flash_attention_forward`` takes variable-length queries (``cum_seq_q``) and, through
 ``seqused_k``, reads only the first ``seq_lens[i]`` keys of each request's slot, causally aligned
@@ -11,6 +11,11 @@ points ``cum_seq_k`` at the slots and lets the kernel skip the tail of each requ
 - Any other batch sizes each slot from its own length, so one long request does not make every
   other one gather its width. The layout is built on the device from host-side totals only: a
   pageable host-to-device copy would synchronize the stream in every layer.
+- That layout (the calls, their block ids, offsets and lengths: ``varlen_plan``) is the same in
+  every layer of a step, so it is built once per forward pass, in the first layer, and kept in
+  the forward context's ``step_memo``, which goes with the context; the other layers only gather
+  their own cache's K/V and call the kernel. Never memoized on the metadata: a runner may refill
+  its tensors in place for the next step, and a layout kept past the step would be stale.
 - Its leading and trailing runs of decodes get calls of their own. Only when every query of a
   call is a decode does the kernel fold a KV head's query heads into one tile; beside prompts,
   each decode's lone query takes a tile per head. On the bench's mixed batch (1024 decodes over
@@ -28,11 +33,13 @@ newer and a head size that is a multiple of 8 up to 256.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ubatch.attention.metadata import AttentionMetadata
+from ubatch.context import get_forward_context, is_forward_context_available
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -75,6 +82,29 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
         max_q = metadata.max_query_len if uniform else _max_query_len(metadata.query_lens())
         return _attend(q[: metadata.num_actual_tokens], kv_cache, table.flatten(), metadata.query_start_loc,
                        cum_seq_k, max_q, slot_len, metadata.seq_lens, metadata.causal, scale)
+    parts = [_attend(q[p.tokens], kv_cache, p.blocks, p.cum_seq_q, p.cum_seq_k, p.max_q, p.max_k, p.seq_lens,
+                     metadata.causal, scale) for p in _step_plan(metadata, block_size)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class VarlenPart:
+    """One kernel call of a non-uniform batch: its query rows and the layout of its requests'
+    slots, the same in every layer of a step."""
+
+    tokens: slice  # the call's rows of q
+    blocks: torch.Tensor  # the block ids to gather, each request's own blocks in order
+    cum_seq_q: torch.Tensor  # int32, offsets into q[tokens]
+    cum_seq_k: torch.Tensor  # int32, offsets of the slots in the gathered K/V
+    max_q: int
+    max_k: int
+    seq_lens: torch.Tensor  # int32, keys each request reads from its slot
+
+
+def varlen_plan(metadata: AttentionMetadata, block_size: int) -> tuple[VarlenPart, ...]:
+    """The calls of a non-uniform batch: its leading and trailing runs of decodes apart from the
+    requests between them (``decode_ends``), empty ranges left out."""
+    table = metadata.block_table
     starts = metadata.query_start_loc_cpu.tolist()
     lengths = metadata.query_lens()
     parts = []
@@ -85,10 +115,23 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
         seq_lens = metadata.seq_lens[first:last]
         blocks, cum_seq_k, max_k = packed_slots(table[first:last], seq_lens, metadata.seq_lens_cpu[first:last],
                                                 block_size)
-        parts.append(_attend(q[q_start:q_end], kv_cache, blocks, metadata.query_start_loc[first:last + 1] - q_start,
-                             cum_seq_k, _max_query_len(lengths[first:last]), max_k, seq_lens, metadata.causal,
-                             scale))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts.append(VarlenPart(slice(q_start, q_end), blocks, metadata.query_start_loc[first:last + 1] - q_start,
+                                cum_seq_k, _max_query_len(lengths[first:last]), max_k, seq_lens))
+    return tuple(parts)
+
+
+def _step_plan(metadata: AttentionMetadata, block_size: int) -> tuple[VarlenPart, ...]:
+    """``varlen_plan``, built once per forward pass: every layer of a step (or of a ubatch) gets
+    the same metadata. Memoized on the forward context, which is dropped at the end of the
+    pass, never on the metadata: a runner may refill its tensors in place for the next step.
+    The memo keeps the metadata alive, so its id is not reused within the pass."""
+    if not is_forward_context_available():
+        return varlen_plan(metadata, block_size)
+    memo = get_forward_context().step_memo
+    key = ("varlen_plan", id(metadata), block_size)
+    if key not in memo:
+        memo[key] = (metadata, varlen_plan(metadata, block_size))
+    return memo[key][1]
 
 
 def _max_query_len(lengths: list[int]) -> int:
