@@ -5,7 +5,8 @@ per-rank kernel timelines of ``scripts/profile_step.py``. A collective's kernel 
 from its launch until every rank has exchanged its data: a rank that arrives first spins. Every
 rank issues its collectives in the same order, so the k-th NCCL kernel of a configuration is the
 same collective on every rank, and the shortest of its durations is the time all ranks spent in
-it together: its *transfer*; the rest of each rank's kernel time is *waiting*. This needs no
+it together: its *transfer* (``ubatch.bench.kernels.transfer_ms``, which ``ubatch-bench --graphs``
+reports too); the rest of each rank's kernel time is *waiting*. This needs no
 common clock, only that a collective ends at about the same moment on every rank, which the
 printed end skew checks (ranks on one host share the profiler's clock).
 
@@ -25,6 +26,7 @@ import json
 import statistics
 from typing import Any
 
+from ubatch.bench.kernels import transfer_ms
 from ubatch.trace import Interval, busy_ms
 
 COMPUTE, COMM = 0, 1
@@ -38,22 +40,19 @@ def comm_kernels(config: dict[str, Any]) -> list[tuple[float, float]]:
 def split_waits(configs: list[dict[str, Any]]) -> dict[str, Any]:
     """Transfer and per-rank waiting (ms) of one configuration profiled on every rank."""
     per_rank = [comm_kernels(c) for c in configs]
-    counts = {len(k) for k in per_rank}
-    if len(counts) != 1:
-        raise ValueError(f"ranks ran different numbers of NCCL kernels: {[len(k) for k in per_rank]}")
     compute = [busy_ms([Interval(0, "compute", "", r[3] / 1e3, r[4] / 1e3) for r in c["kernels"] if r[1] == COMPUTE],
                        "compute") for c in configs]
     durations = [[end - start for start, end in kernels] for kernels in per_rank]
-    transfer = [min(d) for d in zip(*durations)]
+    transfer = transfer_ms(durations)
     result: dict[str, Any] = {
         "wall_ms": max(c["wall_ms"] for c in configs),
         "compute_busy_ms": round(max(compute), 3),
-        "comm_kernels": counts.pop(),
+        "comm_kernels": len(durations[0]),
         "busy_ms": [round(sum(d) / 1e3, 3) for d in durations],
-        "transfer_ms": round(sum(transfer) / 1e3, 3),
-        "waiting_ms": [round((sum(d) - sum(transfer)) / 1e3, 3) for d in durations],
+        "transfer_ms": round(transfer, 3),
+        "waiting_ms": [round(sum(d) / 1e3 - transfer, 3) for d in durations],
     }
-    if all("origin_us" in c for c in configs) and transfer:
+    if all("origin_us" in c for c in configs) and durations[0]:
         ends = [[c["origin_us"] + end for _, end in k] for c, k in zip(configs, per_rank)]
         result["end_skew_us_median"] = round(statistics.median(max(e) - min(e) for e in zip(*ends)), 1)
     return result

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ubatch.bench import _auto_policy, format_table, main, parse_args
-from ubatch.bench.kernels import Kernel, hidden_kernel_fraction, kernel_costs, kernels_in_trace
+from ubatch.bench.kernels import (Kernel, comm_durations_us, gathered_transfer_ms, hidden_kernel_fraction, kernel_costs,
+                                  kernels_in_trace, transfer_ms)
 from ubatch.bench.schedule import schedule_estimates, step_ms
 
 
@@ -90,6 +91,46 @@ def test_kernel_costs_are_busy_time_per_kind():
                _k("ncclKernel", 6000.0, 9000.0)]
     assert kernel_costs(kernels) == pytest.approx((5.0, 4.0))
     assert kernel_costs([]) == (0.0, 0.0)
+
+
+def test_transfer_is_each_collectives_shortest_kernel_over_the_ranks():
+    rank0 = [_k("ncclKernel", 500.0, 800.0), _k("gemm", 0.0, 500.0), _k("ncclKernel", 0.0, 400.0)]
+    rank1 = [_k("ncclKernel", 100.0, 400.0), _k("ncclKernel", 600.0, 800.0)]
+    assert comm_durations_us(rank0) == [400.0, 300.0], "in start order, compute left out"
+    # collective 0: rank 0 spun 100 us for rank 1; collective 1: rank 1 arrived first
+    assert transfer_ms([comm_durations_us(rank0), comm_durations_us(rank1)]) == pytest.approx(0.5)
+    assert transfer_ms([[], []]) == 0.0
+    with pytest.raises(ValueError, match=r"different numbers of communication kernels: \[2, 1\]"):
+        transfer_ms([[1.0, 2.0], [1.0]])
+
+
+def _gathered_transfer_body(rank, world_size):
+    durations = [[300.0, 250.0], [200.0, 400.0]][rank]
+    kernels = [_k("ncclKernel", 1000.0 * i, 1000.0 * i + d) for i, d in enumerate(durations)]
+    assert gathered_transfer_ms(kernels) == pytest.approx(0.45)
+    assert gathered_transfer_ms([_k("gemm", 0.0, 5.0)]) is None, "no communication kernels"
+
+
+def test_transfer_is_gathered_over_the_ranks():
+    from tests.dist_utils import run_distributed
+
+    assert gathered_transfer_ms([_k("ncclKernel", 0.0, 5.0)]) is None, "one process: nothing to gather"
+    run_distributed(_gathered_transfer_body, 2)
+
+
+def test_speedup_bound_is_the_longer_of_split_compute_and_transfer():
+    from ubatch.bench.measure import Measurement
+
+    # unsplit 10 ms (C 6, M 4: ideal 1.667x); split compute busy 7 ms, its transfers 4.4 of 5 ms busy
+    m = Measurement(10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0),
+                    transfer_ms=(4.0, 4.4))
+    row = m.as_dict()
+    assert row["transfer_stretch"] == pytest.approx(1.1) and row["comm_stretch"] == pytest.approx(1.25)
+    assert row["speedup_bound"] == pytest.approx(10.0 / 7.0, abs=1e-4)
+    assert row["efficiency_bound"] == pytest.approx((10.0 / 7.0 - 1) / (10.0 / 6.0 - 1), abs=1e-4)
+    assert row["efficiency"] == pytest.approx(0.375)
+    unknown = Measurement(10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0)).as_dict()
+    assert unknown["transfer_stretch"] is None and unknown["speedup_bound"] is None and unknown["efficiency_bound"] is None
 
 
 def test_hidden_kernel_fraction_is_none_without_comm_kernels():
@@ -231,6 +272,12 @@ def test_bench_under_torchrun_on_two_gpus_reports_the_comm_stretch(tmp_path, gra
     (r,) = _torchrun_bench(tmp_path, "--preset", "tiny-moe", *(["--graphs"] if graphs else []))
     assert r["world_size"] == 2 and r["comm_ms"] > 0 and r["graphs"] is graphs
     assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2)
+    if graphs:  # the ranks' kernels gathered: transfer is NCCL time less waiting
+        assert 0 < r["transfer_ms"] <= r["comm_ms"] * 1.001 and 0 < r["ubatched_transfer_ms"] <= r["ubatched_comm_ms"] * 1.001
+        assert r["speedup_bound"] == pytest.approx(
+            r["baseline_ms"] / max(r["ubatched_compute_ms"], r["ubatched_transfer_ms"]), rel=1e-2)
+    else:
+        assert r["transfer_ms"] is None and r["efficiency_bound"] is None
     expected = step_ms(r["num_ubatches"], 2, r["compute_ms"], r["comm_ms"], 0.2, r["comm_stretch"])
     assert r["schedule_model_stretched_ms"] == pytest.approx(expected, rel=1e-3)
 

@@ -311,10 +311,11 @@ def _point(results: list[dict[str, Any]], tokens: int, choice: int) -> dict[str,
 def format_table(results: list[dict[str, Any]]) -> str:
     graphs = any(r["graphs"] for r in results)
     cols = ["tokens_per_rank", "num_ubatches", *(["eager_baseline_ms"] if graphs else []), "baseline_ms", "ubatched_ms",
-            "speedup", "compute_ms", "comm_ms", "ideal_speedup", "efficiency", "hidden_comm_fraction",
-            "hideable_comm_fraction", "comm_stretch", "schedule_model_stretched_ms"]
+            "speedup", "compute_ms", "comm_ms", "ideal_speedup", "efficiency", *(["efficiency_bound"] if graphs else []),
+            "hidden_comm_fraction", "hideable_comm_fraction", "comm_stretch", "schedule_model_stretched_ms"]
     heads = ["tokens", "N", *(["eager ms", "graph ms", "graph N ms"] if graphs else ["unsplit ms", "ubatched ms"]),
-             "speedup", "C ms", "M ms", "ideal", "effic.", "hidden", "hideable", "M stretch", "model ms"]
+             "speedup", "C ms", "M ms", "ideal", "effic.", *(["bound"] if graphs else []), "hidden", "hideable",
+             "M stretch", "model ms"]
     rows = [[("-" if r.get(c) is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])) for c in cols]
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]

@@ -14,6 +14,9 @@ request), PIECEWISE for prefill and mixed steps. Then, for one step:
 - ``hidden_comm_fraction``, ``ubatched_compute_ms``, ``ubatched_comm_ms`` and ``comm_stretch``:
   from the kernels of one replayed ubatched step; None (the fraction) when there are no NCCL
   kernels (one rank);
+- ``transfer_ms`` / ``ubatched_transfer_ms``, ``transfer_stretch``, ``speedup_bound`` and
+  ``efficiency_bound``: the NCCL time less waiting for other ranks (``kernels.transfer_ms``), and
+  the best any schedule of the ubatched step's own kernels could reach;
 - ``capture_time_ms``: a short, separate timing of both graphs right after capture, what a
   runner can afford at start-up; the auto policy picks the faster per size from it.
 
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ubatch.bench.kernels import hidden_kernel_fraction, kernel_costs, profile_kernels
+from ubatch.bench.kernels import gathered_transfer_ms, hidden_kernel_fraction, kernel_costs, profile_kernels
 from ubatch.bench.measure import Measurement, median_ms, unsplit_call
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode
@@ -52,13 +55,15 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
                            for n, fn in ((1, baseline), (num_ubatches, ubatched))}
         baseline_ms = median_ms(baseline, device, warmup=warmup, repeats=repeats)
         ubatched_ms = median_ms(ubatched, device, warmup=warmup, repeats=repeats)
-        compute_ms, comm_ms = kernel_costs(profile_kernels(baseline, device))
+        baseline_kernels = profile_kernels(baseline, device)
         kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
     finally:
         graphed.release()
+    compute_ms, comm_ms = kernel_costs(baseline_kernels)
+    transfer = gathered_transfer_ms(baseline_kernels), gathered_transfer_ms(kernels)
     return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],
                        eager_baseline_ms=eager_baseline_ms, graphs=True, capture_time_ms=capture_time_ms,
-                       ubatched_busy_ms=kernel_costs(kernels))
+                       ubatched_busy_ms=kernel_costs(kernels), transfer_ms=None if None in transfer else transfer)
 
 
 def _blocks_per_request(model: Any, step: Step) -> int:

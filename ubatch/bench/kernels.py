@@ -2,7 +2,9 @@
 
 No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing of a replay; the
 GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
-kernel compute. Copies and memsets are not kernels and count as neither.
+kernel compute. Copies and memsets are not kernels and count as neither. An NCCL kernel's time
+includes spinning until the other ranks arrive; gathered over the ranks, the kernels split it
+into transfer and waiting (``transfer_ms``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ubatch.bench.measure import drain
@@ -64,6 +67,32 @@ def kernel_costs(kernels: Sequence[Kernel]) -> tuple[float, float]:
     NCCL kernels also count time spent waiting for a peer that started late."""
     intervals = _intervals(kernels)
     return busy_ms(intervals, "compute"), busy_ms(intervals, "comm")
+
+
+def comm_durations_us(kernels: Sequence[Kernel]) -> list[float]:
+    """Each communication kernel's duration, in start order: the k-th is the k-th collective on
+    every rank, since every rank issues its collectives in the same order."""
+    return [k.end_us - k.start_us for k in sorted(kernels, key=lambda k: k.start_us) if k.is_comm]
+
+
+def transfer_ms(durations_per_rank: Sequence[Sequence[float]]) -> float:
+    """How long the ranks' collectives moved data: per collective, the shortest of its kernel
+    durations over the ranks (us in, ms out). A rank that reaches a collective first spins in its
+    kernel until the last one arrives, so the rest of each rank's kernel time is waiting."""
+    counts = [len(d) for d in durations_per_rank]
+    if len(set(counts)) > 1:
+        raise ValueError(f"ranks ran different numbers of communication kernels: {counts}")
+    return sum(min(per_collective) for per_collective in zip(*durations_per_rank)) / 1e3
+
+
+def gathered_transfer_ms(kernels: Sequence[Kernel], group: Any = None) -> float | None:
+    """``transfer_ms`` of one profiled step, every rank's kernel durations gathered over ``group``
+    (every rank calls this alike); None on one rank or without communication kernels."""
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, comm_durations_us(kernels), group=group)
+    return transfer_ms(gathered) if gathered[0] else None
 
 
 def profile_kernels(fn: Callable[[], Any], device: torch.device, *, chrome_trace: str | None = None) -> list[Kernel]:

@@ -86,6 +86,7 @@ class Measurement:
     graphs: bool = False
     capture_time_ms: dict[int, float] | None = None
     ubatched_busy_ms: tuple[float, float] | None = None  # (compute, comm) busy in one ubatched step
+    transfer_ms: tuple[float, float] | None = None  # NCCL time less waiting, (unsplit, ubatched)
 
     def calibration_sample(self) -> dict[str, float]:
         """What ``ubatch.policy.calibrate_from_samples`` reads of a two-ubatch measurement."""
@@ -117,30 +118,61 @@ class Measurement:
         return self.ubatched_busy_ms[1] / self.comm_ms
 
     @property
-    def efficiency(self) -> float | None:
-        if self.ideal_speedup <= 1.0 + 1e-9:
+    def transfer_stretch(self) -> float | None:
+        """``comm_stretch`` without the waiting: how much slower collectives moved their data."""
+        if self.transfer_ms is None or self.transfer_ms[0] <= 0:
             return None
-        return (self.speedup - 1.0) / (self.ideal_speedup - 1.0)
+        return self.transfer_ms[1] / self.transfer_ms[0]
+
+    @property
+    def speedup_bound(self) -> float | None:
+        """The best any schedule of the ubatched step's own kernels allows: it cannot finish
+        before its compute kernels have run, nor before its collectives have moved their data."""
+        if self.transfer_ms is None or self.ubatched_busy_ms is None:
+            return None
+        return self.baseline_ms / max(self.ubatched_busy_ms[0], self.transfer_ms[1])
+
+    def _efficiency_of(self, speedup: float | None) -> float | None:
+        if speedup is None or self.ideal_speedup <= 1.0 + 1e-9:
+            return None
+        return (speedup - 1.0) / (self.ideal_speedup - 1.0)
+
+    @property
+    def efficiency(self) -> float | None:
+        return self._efficiency_of(self.speedup)
+
+    @property
+    def efficiency_bound(self) -> float | None:
+        """``speedup_bound`` as an efficiency: below the target, the kernels, not the schedule,
+        stand in the way."""
+        return self._efficiency_of(self.speedup_bound)
 
     def as_dict(self) -> dict[str, Any]:
+        ubatched_busy = self.ubatched_busy_ms or (None, None)
+        transfer = self.transfer_ms or (None, None)
+        figures = {
+            "baseline_ms": self.baseline_ms,
+            "ubatched_ms": self.ubatched_ms,
+            "speedup": self.speedup,
+            "eager_baseline_ms": self.eager_baseline_ms,
+            "compute_ms": self.compute_ms,
+            "comm_ms": self.comm_ms,
+            "ideal_speedup": self.ideal_speedup,
+            "efficiency": self.efficiency,
+            "hidden_comm_fraction": self.hidden_comm_fraction,
+            "hideable_comm_fraction": self.hideable_comm_fraction,
+            "ubatched_compute_ms": ubatched_busy[0],
+            "ubatched_comm_ms": ubatched_busy[1],
+            "comm_stretch": self.comm_stretch,
+            "transfer_ms": transfer[0],
+            "ubatched_transfer_ms": transfer[1],
+            "transfer_stretch": self.transfer_stretch,
+            "speedup_bound": self.speedup_bound,
+            "efficiency_bound": self.efficiency_bound,
+        }
         return {
             "graphs": self.graphs,
-            "baseline_ms": round(self.baseline_ms, 4),
-            "ubatched_ms": round(self.ubatched_ms, 4),
-            "speedup": round(self.speedup, 4),
-            "eager_baseline_ms": round(self.eager_baseline_ms, 4),
-            "compute_ms": round(self.compute_ms, 4),
-            "comm_ms": round(self.comm_ms, 4),
-            "ideal_speedup": round(self.ideal_speedup, 4),
-            "efficiency": None if self.efficiency is None else round(self.efficiency, 4),
-            "hidden_comm_fraction": None
-            if self.hidden_comm_fraction is None
-            else round(self.hidden_comm_fraction, 4),
-            "hideable_comm_fraction": None if self.hideable_comm_fraction is None
-            else round(self.hideable_comm_fraction, 4),
-            "ubatched_compute_ms": None if self.ubatched_busy_ms is None else round(self.ubatched_busy_ms[0], 4),
-            "ubatched_comm_ms": None if self.ubatched_busy_ms is None else round(self.ubatched_busy_ms[1], 4),
-            "comm_stretch": None if self.comm_stretch is None else round(self.comm_stretch, 4),
+            **{name: None if value is None else round(value, 4) for name, value in figures.items()},
             "capture_time_ms": None if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
