@@ -18,7 +18,7 @@ from ubatch.attention.metadata import AttentionMetadata
 from ubatch.attention.varlen import builtin_flash_supports, varlen_flash_attention
 
 BACKEND_NAMES = ("torch", "flash")
-_INSTALL_HINT = "install it with `pip install ubatch[flash]`"
+_INSTALL_HINT = "install it with `pip install ubatch[flash]` (flash-attn 4, CUDA 13)"
 
 
 class AttentionBackend(Protocol):
@@ -144,13 +144,14 @@ def _call_fa3(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: f
 
 
 def _call_fa4(fn: Callable, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> Any:
+    # No max_seqlen_k: FA4 bounds it by the page-table row, a shape, where the host-side
+    # max_seq_len would be frozen at its capture-time value in a FULL graph.
     return fn(
         q,
         k_cache,
         v_cache,
         cu_seqlens_q=md.query_start_loc,
         max_seqlen_q=md.max_query_len,
-        max_seqlen_k=md.max_seq_len,
         seqused_k=md.seq_lens,
         page_table=md.block_table,
         softmax_scale=scale,
@@ -191,21 +192,33 @@ _FLASH_IMPLS = (
 
 
 class FlashAttentionBackend:
-    """flash-attn reading the paged cache in place (one kernel for the whole batch)."""
+    """flash-attn reading the paged cache in place (one kernel for the whole batch).
+
+    flash-attn runs fp16 / bf16 with head sizes that are multiples of 8 up to 256. Chosen
+    automatically (``fallback`` set), it hands other queries to the fallback, so a float32
+    model keeps working where flash-attn is installed; asked for by name, it refuses them."""
 
     name = "flash"
 
-    def __init__(self, version: str, fn: Callable) -> None:
+    def __init__(self, version: str, fn: Callable, *, fallback: AttentionBackend | None = None) -> None:
         callers = {v: caller for v, _, _, caller in _FLASH_IMPLS}
         if version not in callers:
             raise ValueError(f"unknown flash-attn version {version!r}; valid: {sorted(callers)}")
         self.version = version
         self._fn = fn
         self._call = callers[version]
+        self.fallback = fallback
 
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8 or q.shape[-1] > 256:
+            if self.fallback is not None:
+                return self.fallback.forward(q, kv_cache, metadata, scale)
+            raise TypeError(
+                f"flash-attn runs float16 / bfloat16 with a head size that is a multiple of 8 up to 256, "
+                f"got {q.dtype} with head size {q.shape[-1]}; use backend='torch' (or None to choose per call)"
+            )
         q = q[: metadata.num_actual_tokens]
         out = self._call(self._fn, q, kv_cache[0], kv_cache[1], metadata, scale)
         return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
@@ -225,8 +238,9 @@ def load_flash_attn() -> tuple[FlashAttentionBackend | None, list[str]]:
 
 
 def get_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """Resolve a backend for ``device``: None picks flash-attn on CUDA when importable, else
-    torch; naming "flash" where it cannot run is an error rather than a silent fallback."""
+    """Resolve a backend for ``device``: None picks flash-attn on CUDA when importable (torch for
+    the queries it cannot run), else torch; naming "flash" where it cannot run is an error rather
+    than a silent fallback."""
     device = torch.device(device)
     if name is not None and name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKEND_NAMES)}")
@@ -239,6 +253,8 @@ def get_backend(name: str | None, device: torch.device | str) -> AttentionBacken
         )
     flash, failures = load_flash_attn()
     if flash is not None:
+        if name is None:
+            flash.fallback = TorchBackend()
         return flash
     if name is None:
         return TorchBackend()
