@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode comm_waits first_use spec generate}
+parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode comm_waits first_use spec generate}  # flash_stage, flash: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -62,6 +62,15 @@ if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as t
     python3 scripts/comm_waits.py "$OUT"/profiles/profile${tag}_rank{0,1}.json.gz | tee -a "$OUT/comm_waits.log"
   done
   tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
+fi
+# flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, flash right after
+want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa
+if want flash; then
+  mkdir -p /tmp/fa4site && cat /tmp/site.tar.xz.part-aa .fa4b/site.tar.xz.part-* | xz -d | tar -x -C /tmp/fa4site || exit 1
+  fa4=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages  # the second: the DSL's .pth, by hand
+  PYTHONPATH=$PYTHONPATH:$fa4 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \
+    tests/test_attention.py 2>&1 | tee "$OUT/gpu_flash_tests.log" | tail -8
+  PYTHONPATH=$PYTHONPATH:$fa4 timeout 150 python3 benchmarks/h200x2/explore/flash_attn4_paged.py 2>&1 | tee "$OUT/flash_attn4_paged.log"
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12
