@@ -12,8 +12,10 @@ choice:
     python scripts/first_use_cost.py --attention builtin_flash  # the torch backend's default
     python scripts/first_use_cost.py --attention sdpa           # SDPA runs, torch's pick (cuDNN)
     python scripts/first_use_cost.py --attention math           # SDPA runs on the math path
+    python scripts/first_use_cost.py --attention flash          # flash-attn (FA4 compiles per variant)
 
-The row's "path" says what ran: "builtin_flash" only where the kernel can (CUDA, fp16/bf16).
+The row's "path" says what ran: "builtin_flash" only where the kernel can (CUDA, fp16/bf16);
+"flash_attn_fa4" (or fa3 / fa2) for flash-attn.
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes. Identical processes spread
 widely, so repeat them; ``--summarize rows.jsonl`` prints the median and range of each path and
@@ -36,7 +38,8 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ubatch.attention import TorchBackend
+from ubatch.attention import FlashAttentionBackend, TorchBackend, get_backend
+from ubatch.attention.backends import AttentionBackend
 from ubatch.attention.varlen import builtin_flash_supports
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
@@ -44,9 +47,10 @@ from ubatch.runner import ModelRunner
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--attention", choices=["builtin_flash", "sdpa", "math"], default="builtin_flash",
+    p.add_argument("--attention", choices=["builtin_flash", "sdpa", "math", "flash"], default="builtin_flash",
                    help="builtin_flash: the torch backend's default (varlen flash calls where the kernel can "
-                        "run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math")
+                        "run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math; "
+                        "flash: the flash-attn backend (an error where none is importable)")
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)
@@ -70,8 +74,16 @@ def sdpa_choice(name: str) -> Iterator[None]:
         yield
 
 
-def attention_path(backend: TorchBackend, config: ModelConfig, device: torch.device, choice: str) -> str:
+def make_backend(choice: str, device: torch.device) -> AttentionBackend:
+    if choice == "flash":
+        return get_backend("flash", device)
+    return TorchBackend(builtin_flash=choice == "builtin_flash")
+
+
+def attention_path(backend: AttentionBackend, config: ModelConfig, device: torch.device, choice: str) -> str:
     """What the backend runs for this model: the built-in flash kernel only where it can."""
+    if isinstance(backend, FlashAttentionBackend):
+        return f"flash_attn_{backend.version}"
     query = torch.empty(1, config.num_heads, config.head_dim, device=device, dtype=config.dtype)
     if backend.builtin_flash and builtin_flash_supports(query):
         return "builtin_flash"
@@ -131,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     preset = args.preset or ("dense-bench" if cuda else "tiny")
     config = ModelConfig.preset(preset)
-    backend = TorchBackend(builtin_flash=args.attention == "builtin_flash")
+    backend = make_backend(args.attention, device)
     model = build_model(config, device=device, attn_backend=backend)
     blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
     runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,

@@ -185,6 +185,19 @@ def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choic
     assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), choice) == path
 
 
+def test_first_use_cost_flash_names_the_flash_attn_version_and_needs_cuda():
+    import torch
+
+    from ubatch.attention import FlashAttentionBackend
+    from ubatch.models import ModelConfig
+
+    backend = FlashAttentionBackend("fa4", lambda *args, **kwargs: None)
+    assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), "flash") == \
+        "flash_attn_fa4"
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        first_use_cost.make_backend("flash", torch.device("cpu"))
+
+
 def test_first_use_cost_summary_gives_medians_ranges_and_the_ratio_to_sdpa(tmp_path, capsys):
     def row(path, n, cold, warm):
         return {"path": path, "num_ubatches": n, "cold_tokens_per_s": cold, "warm_tokens_per_s": warm}
