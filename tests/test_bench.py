@@ -260,6 +260,15 @@ def test_schedule_estimates_bracket_a_stretched_split_step():
     assert schedule_estimates(71.0, 126.0, 1.18, num_ubatches=1, layers=8)["schedule_model_stretched_ms"] == 197.0
 
 
+def test_attention_backend_is_chosen_up_front_and_reported(tmp_path):
+    out = tmp_path / "report.json"
+    main(["--quick", "--attention", "torch", "--tokens", "32", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["environment"]["attention"] == "torch" and report["args"]["attention"] == "torch"
+    with pytest.raises(RuntimeError, match="attention backend 'flash' needs a CUDA device, got cpu"):
+        main(["--quick", "--attention", "flash", "--device", "cpu"])
+
+
 def test_attention_share_outside_its_range_is_an_argument_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--attention-share", "1.0"])

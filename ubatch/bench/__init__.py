@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ubatch.attention import FlashAttentionBackend, get_backend
+from ubatch.attention.backends import AttentionBackend
 from ubatch.bench.capacity import dropped_fractions
 from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for, format_generation_table, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
@@ -96,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", type=_drafter_list, default=list(DRAFTERS),
                    help=f"generate: drafters to try ({', '.join(DRAFTERS)})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto",
+                   help="attention backend: auto takes flash-attn on CUDA where it is installed (the torch backend "
+                        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error")
     p.add_argument("--graphs", action="store_true",
                    help="time steps replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise); needs CUDA")
     p.add_argument("--sm-partition", choices=MODES, default="none",
@@ -172,12 +177,13 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _environment(device: torch.device, world: int) -> dict[str, Any]:
+def _environment(device: torch.device, world: int, attention: AttentionBackend) -> dict[str, Any]:
     env = {
         "machine": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": str(device),
+        "attention": f"flash-attn {attention.version}" if isinstance(attention, FlashAttentionBackend) else attention.name,
         "world_size": world,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
@@ -208,11 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = ModelConfig.preset(preset, **model_overrides(args))
     if (config.kind == "moe") != (args.model == "moe"):
         raise ValueError(f"preset {preset!r} is a {config.kind} model but --model {args.model} was given")
+    attention = get_backend(None if args.attention == "auto" else args.attention, device)
     if args.workload == "generate":
-        return _generation_report(args, config, build_model(config, device=device), preset)
+        return _generation_report(args, config, build_model(config, device=device, attn_backend=attention), preset,
+                                  attention)
     group = dist.group.WORLD if world > 1 else None
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
-                        tp_group=group if config.kind == "dense" else None)
+                        tp_group=group if config.kind == "dense" else None, attn_backend=attention)
     partition = SMPartition(args.sm_partition, args.comm_sms, device)
     if world > 1:
         partition.setup([group])
@@ -244,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  attention_share=args.attention_share),
             "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
         })
-    report = {"environment": _environment(device, world), "args": vars(args), "results": results}
+    report = {"environment": _environment(device, world, attention), "args": vars(args), "results": results}
     if args.policy == "auto":
         report["auto"] = _auto_policy(args, results, measure_at, stages=2 * config.num_layers)
     if rank == 0 and args.chrome_trace and first_timeline:
@@ -257,7 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _generation_report(args: argparse.Namespace, config: ModelConfig, model: Any, preset: str) -> dict[str, Any]:
+def _generation_report(args: argparse.Namespace, config: ModelConfig, model: Any, preset: str,
+                       attention: AttentionBackend) -> dict[str, Any]:
     """Plain and speculative generation, eager (and replayed from graphs with ``--graphs``)."""
     shape = GenerationShape(args.requests, args.prompt_len, args.max_new_tokens)
     graph_modes = [False, True] if args.graphs else [False]
@@ -268,7 +277,7 @@ def _generation_report(args: argparse.Namespace, config: ModelConfig, model: Any
     results = [{"model": preset, "workload": "generate", "num_requests": shape.num_requests,
                 "prompt_len": shape.prompt_len, "max_new_tokens": shape.max_new_tokens, "label": args.label, **row}
                for row in rows]
-    return {"environment": _environment(model.device, 1), "args": vars(args), "results": results}
+    return {"environment": _environment(model.device, 1, attention), "args": vars(args), "results": results}
 
 
 def _auto_policy(args: argparse.Namespace, results: list[dict[str, Any]], measure_at: Any,
