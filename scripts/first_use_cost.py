@@ -15,7 +15,8 @@ choice:
     python scripts/first_use_cost.py --attention flash          # flash-attn (FA4 compiles per variant)
 
 The row's "path" says what ran: "builtin_flash" only where the kernel can (CUDA, fp16/bf16);
-"flash_attn_fa4" (or fa3 / fa2) for flash-attn.
+"flash_attn_fa4" (or fa3 / fa2) for flash-attn. ``--warmup-requests N`` first serves N throwaway
+requests of other lengths (``ModelRunner.warmup``), so "cold" then shows what a warm-up leaves.
 
 Prints one JSON line: tokens, seconds and tokens/s of both passes. Identical processes spread
 widely, so repeat them; ``--summarize rows.jsonl`` prints the median and range of each path and
@@ -57,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256, help="longest prompt (prompts draw from half of it up)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest output (outputs draw from 1 up)")
     p.add_argument("--num-ubatches", type=int, default=1, help="ubatches per step (each meets shapes of its own)")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="first serve this many throwaway requests of other lengths (ModelRunner.warmup)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summarize", type=Path, default=None, metavar="ROWS_JSONL",
                    help="instead of serving, summarize rows this script printed")
@@ -100,28 +103,28 @@ def staggered_requests(args: argparse.Namespace, vocab_size: int) -> tuple[list[
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (path, ubatch count): the runs, (median, lowest, highest) cold and warm tokens/s, and
-    each median over the SDPA path's at the same count (None without an SDPA row)."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    """Per (path, ubatch count, warm-up requests): the runs, (median, lowest, highest) cold and
+    warm tokens/s, and each median over the SDPA path's alike (None without such an SDPA row)."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        groups[row["path"], row["num_ubatches"]].append(row)
+        groups[row["path"], row["num_ubatches"], row.get("warmup_requests", 0)].append(row)
     summary = []
-    for (path, n), group in groups.items():
-        entry: dict[str, Any] = {"path": path, "num_ubatches": n, "runs": len(group)}
+    for (path, n, warmup), group in groups.items():
+        entry: dict[str, Any] = {"path": path, "num_ubatches": n, "warmup_requests": warmup, "runs": len(group)}
         for name in ("cold", "warm"):
             values = sorted(row[f"{name}_tokens_per_s"] for row in group)
             entry[name] = (statistics.median(values), values[0], values[-1])
         summary.append(entry)
-    medians = {(e["path"], e["num_ubatches"]): e for e in summary}
+    medians = {(e["path"], e["num_ubatches"], e["warmup_requests"]): e for e in summary}
     for entry in summary:
-        sdpa = medians.get(("sdpa", entry["num_ubatches"]))
+        sdpa = medians.get(("sdpa", entry["num_ubatches"], entry["warmup_requests"]))
         for name in ("cold", "warm"):
             entry[f"{name}_vs_sdpa"] = entry[name][0] / sdpa[name][0] if sdpa else None
     return summary
 
 
 def _print_summary(summary: Sequence[dict[str, Any]]) -> None:
-    print(f"{'path':>14} {'N':>2} {'runs':>4}  {'cold tokens/s (range)':>24} {'vs sdpa':>7}  "
+    print(f"{'path':>14} {'N':>2} {'warm-up':>7} {'runs':>4}  {'cold tokens/s (range)':>24} {'vs sdpa':>7}  "
           f"{'warm tokens/s (range)':>24} {'vs sdpa':>7}")
     for e in summary:
         cells = []
@@ -130,7 +133,7 @@ def _print_summary(summary: Sequence[dict[str, Any]]) -> None:
             ratio = e[f"{name}_vs_sdpa"]
             shown_ratio = f"{ratio:6.2f}x" if ratio is not None else "      -"
             cells.append(f"{median:8.1f} ({low:.1f}-{high:.1f})".rjust(24) + " " + shown_ratio)
-        print(f"{e['path']:>14} {e['num_ubatches']:>2} {e['runs']:>4}  {cells[0]}  {cells[1]}")
+        print(f"{e['path']:>14} {e['num_ubatches']:>2} {e['warmup_requests']:>7} {e['runs']:>4}  {cells[0]}  {cells[1]}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
@@ -153,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
                                          "path": attention_path(backend, config, device, args.attention),
                                          "num_ubatches": args.num_ubatches}
     with sdpa_choice(args.attention):
+        if args.warmup_requests:
+            start = time.perf_counter()
+            runner.warmup(args.warmup_requests, seed=args.seed + 1)
+            row.update(warmup_requests=args.warmup_requests, warmup_s=round(time.perf_counter() - start, 4))
         for name in ("cold", "warm"):
             if cuda:
                 torch.cuda.synchronize(device)

@@ -185,6 +185,12 @@ def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choic
     assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), choice) == path
 
 
+def test_first_use_cost_warms_up_on_other_requests_first(capsys):
+    row = first_use_cost.main(["--device", "cpu", "--requests", "4", "--prompt-len", "12", "--max-new-tokens", "4",
+                               "--warmup-requests", "3"])
+    assert row["warmup_requests"] == 3 and row["warmup_s"] > 0 and row["cold_tokens"] == row["warm_tokens"]
+
+
 def test_first_use_cost_flash_names_the_flash_attn_version_and_needs_cuda():
     import torch
 
@@ -204,15 +210,17 @@ def test_first_use_cost_summary_gives_medians_ranges_and_the_ratio_to_sdpa(tmp_p
 
     rows = [row("builtin_flash", 1, c, w) for c, w in ((900.0, 1800.0), (1200.0, 2000.0), (1000.0, 2100.0))]
     rows += [row("sdpa", 1, 200.0, 2000.0), row("sdpa", 1, 300.0, 1600.0), row("sdpa_math", 2, 500.0, 700.0)]
+    rows.append({**row("builtin_flash", 1, 1500.0, 2000.0), "warmup_requests": 8})
     rows_file = tmp_path / "rows.jsonl"
     rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = first_use_cost.main(["--summarize", str(rows_file)])
-    flash, sdpa, math_two = summary
+    flash, sdpa, math_two, warmed = summary
+    assert (warmed["warmup_requests"], warmed["runs"], warmed["cold_vs_sdpa"]) == (8, 1, None), "a group of its own"
     assert (flash["runs"], flash["cold"], flash["warm"]) == (3, (1000.0, 900.0, 1200.0), (2000.0, 1800.0, 2100.0))
     assert sdpa["cold"][0] == 250.0 and flash["cold_vs_sdpa"] == 4.0 and flash["warm_vs_sdpa"] == 2000.0 / 1800.0
     assert math_two["cold_vs_sdpa"] is None, "no SDPA row at N=2 to compare with"
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 4 and "4.00x" in out[1] and "500.0" in out[3] and out[3].rstrip().endswith("-")
+    assert len(out) == 5 and "4.00x" in out[1] and "500.0" in out[3] and out[3].rstrip().endswith("-")
 
 
 def test_replay_policy_prints_every_committed_pick_and_fails_below_the_floor(capsys, monkeypatch):

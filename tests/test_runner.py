@@ -92,6 +92,26 @@ def test_step_api_and_per_request_limits():
     assert [len(o) for o in runner.generate([[7], [8, 9]], [2, 5])] == [2, 5]
 
 
+def test_warmup_leaves_the_runner_idle_and_its_outputs_unchanged(model_and_reference):
+    config, model, prompts, reference = model_and_reference
+    runner = ModelRunner(model, config, device="cpu", num_kv_blocks=32, block_size=4, max_num_batched_tokens=64)
+    steps = record_schedules(runner)
+    runner.warmup(num_requests=5, max_new_tokens=3)
+    kinds = {(decode, start > 0) for step in steps for decode, start, _ in step}
+    assert {(True, True), (False, False)} <= kinds, "decodes and whole prompts"
+    assert any(len({decode for decode, _, _ in step}) == 2 for step in steps), "a step mixing both"
+    assert not runner.has_unfinished_requests() and runner.block_pool.num_free == 32
+    assert runner.spec_stats.num_draft_tokens == 0
+    assert runner.generate(prompts, 6) == reference
+
+
+def test_warmup_rejects_bad_arguments(tiny_runner):
+    with pytest.raises(ValueError, match="num_requests must be an integer >= 1, got 0"):
+        tiny_runner.warmup(num_requests=0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=40 leaves no room for a prompt"):
+        tiny_runner.warmup(max_new_tokens=40)
+
+
 def test_moe_overflow_raises():
     config = ModelConfig.preset("tiny-moe", capacity_factor=0.25)
     model = build_model(config, device="cpu")

@@ -266,6 +266,27 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.capture_graphs()
 
+    def warmup(self, num_requests: int = 8, max_new_tokens: int = 4, *, seed: int = 0) -> None:
+        """Serve throwaway requests before real traffic: prompts from one token up to a full
+        batch, outputs of different lengths, so steps mix prefills, continuations and decodes.
+        Whatever the attention path builds on first use is then ready: flash-attn 4 compiles
+        each kernel variant it meets (2-4 s apiece on an H200), cuDNN builds a plan per shape.
+        Captured graphs are warmed by ``capture_graphs``. In data parallelism call it on every
+        rank. The runner is left idle, every KV block free and ``spec_stats`` zeroed."""
+        for name, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        longest = min(self.max_num_batched_tokens, self.max_model_len - max_new_tokens,
+                      self.num_kv_blocks * self.block_size - max_new_tokens)
+        if longest < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                             f"(max_model_len={self.max_model_len})")
+        g = torch.Generator().manual_seed(seed)
+        prompt_lens = [max(1, longest * (i + 1) // num_requests) for i in range(num_requests)]
+        prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+        self.generate(prompts, [1 + i % max_new_tokens for i in range(num_requests)])
+        self.spec_stats = SpecStats()
+
     def close(self) -> None:
         """Free the captured graphs, the target's and the drafter's; later steps run eagerly.
         Call it on every rank before ``destroy_process_group``: NCCL's teardown hangs while a
