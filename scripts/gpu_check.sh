@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed decode comm_waits first_use spec generate}  # flash_stage, flash: on request
+parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -39,6 +39,11 @@ fi
 if want mixed; then  # a quarter decodes: the torch attention backend batches each run of equal query lengths
   slow run2 200 -m ubatch.bench --model moe --workload mixed --prompt-len 512 --context-len 512 --policy auto --tokens 1024,4096 --num-ubatches 2,3 --sm-partition green --out "$OUT/moe_mixed_slowlink_green.json" --label slow-link-mixed-green | tail -10
   slow run2 200 -m ubatch.bench --model moe --workload mixed --prompt-len 512 --context-len 512 --policy auto --graphs --tokens 1024,4096 --num-ubatches 2 --sm-partition green --out "$OUT/moe_mixed_graphs_slowlink_green.json" --label slow-link-mixed-graphs-green | tail -8
+fi
+if want dense; then  # TP dense prefill: two all-reduces per layer, replayed from PIECEWISE graphs, green
+  dense="-m ubatch.bench --model dense --prompt-len 512 --policy auto --graphs --sm-partition green --tokens 1024,4096 --num-ubatches 2,3"
+  run2 200 $dense --out "$OUT/dense_tp_prefill_graphs_nvlink_green.json" --label nvlink-graphs-green | tail -8
+  slow run2 200 $dense --out "$OUT/dense_tp_prefill_graphs_slowlink_green.json" --label slow-link-graphs-green | tail -8
 fi
 decode="-m ubatch.bench --model moe --workload decode --graphs --layers 4 --tokens 64,256,512,1024 --num-ubatches 2 --repeats 20 --policy auto --sm-partition green"
 if want decode; then  # FULL graph replays, green partition
