@@ -40,7 +40,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ubatch.attention import FlashAttentionBackend, TorchBackend, get_backend
-from ubatch.attention.backends import AttentionBackend
+from ubatch.attention.backends import AttentionBackend, describe_backend
 from ubatch.attention.varlen import builtin_flash_supports
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
@@ -86,7 +86,7 @@ def make_backend(choice: str, device: torch.device) -> AttentionBackend:
 def attention_path(backend: AttentionBackend, config: ModelConfig, device: torch.device, choice: str) -> str:
     """What the backend runs for this model: the built-in flash kernel only where it can."""
     if isinstance(backend, FlashAttentionBackend):
-        return f"flash_attn_{backend.version}"
+        return describe_backend(backend)
     query = torch.empty(1, config.num_heads, config.head_dim, device=device, dtype=config.dtype)
     if backend.builtin_flash and builtin_flash_supports(query):
         return "builtin_flash"

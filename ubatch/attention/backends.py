@@ -224,8 +224,11 @@ class FlashAttentionBackend:
         return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
 
 
-def load_flash_attn() -> tuple[FlashAttentionBackend | None, list[str]]:
-    """The most preferred importable flash-attn, or None and why each one failed."""
+def load_flash_attn(
+    fallback: AttentionBackend | None = None,
+) -> tuple[FlashAttentionBackend | None, list[str]]:
+    """The most preferred importable flash-attn (handing ``fallback`` what it cannot run), or
+    None and why each one failed."""
     failures = []
     for version, module, attr, _ in _FLASH_IMPLS:
         try:
@@ -233,8 +236,15 @@ def load_flash_attn() -> tuple[FlashAttentionBackend | None, list[str]]:
         except (ImportError, OSError, AttributeError) as exc:
             failures.append(f"{module}.{attr} ({version}): {type(exc).__name__}: {exc}")
             continue
-        return FlashAttentionBackend(version, fn), failures
+        return FlashAttentionBackend(version, fn, fallback=fallback), failures
     return None, failures
+
+
+def describe_backend(backend: AttentionBackend) -> str:
+    """A backend's name in reports: "torch", or the flash-attn version ("flash_attn_fa4")."""
+    if isinstance(backend, FlashAttentionBackend):
+        return f"flash_attn_{backend.version}"
+    return backend.name
 
 
 def get_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
@@ -251,10 +261,8 @@ def get_backend(name: str | None, device: torch.device | str) -> AttentionBacken
             f"attention backend 'flash' needs a CUDA device, got {device}; "
             f"use backend='torch' (or None to choose automatically)"
         )
-    flash, failures = load_flash_attn()
+    flash, failures = load_flash_attn(fallback=TorchBackend() if name is None else None)
     if flash is not None:
-        if name is None:
-            flash.fallback = TorchBackend()
         return flash
     if name is None:
         return TorchBackend()

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ubatch.attention import FlashAttentionBackend, get_backend
-from ubatch.attention.backends import AttentionBackend
+from ubatch.attention import get_backend
+from ubatch.attention.backends import AttentionBackend, describe_backend
 from ubatch.bench.capacity import dropped_fractions
 from ubatch.bench.generation import DRAFTERS, GenerationShape, capture_sizes_for, format_generation_table, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
@@ -183,7 +183,7 @@ def _environment(device: torch.device, world: int, attention: AttentionBackend) 
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": str(device),
-        "attention": f"flash-attn {attention.version}" if isinstance(attention, FlashAttentionBackend) else attention.name,
+        "attention": describe_backend(attention),
         "world_size": world,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
