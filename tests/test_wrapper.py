@@ -132,8 +132,8 @@ def test_errors_name_the_problem():
     with set_forward_context({"l0": "not metadata"}, ubatch_slices=split_batch([4, 4], 2)):
         with pytest.raises(TypeError, match="attn_metadata\\['l0'\\] is a str"):
             wrapper(torch.zeros(8))
-    with pytest.raises(ValueError, match="num_ubatches must be an int >= 2, got 1"):
-        UBatchWrapper(lambda x: x, num_ubatches=1)
+    with pytest.raises(ValueError, match="num_ubatches must be an int >= 1, got 0"):
+        UBatchWrapper(lambda x: x, num_ubatches=0)
     with pytest.raises(TypeError, match="callable"):
         UBatchWrapper(42)
 

@@ -47,6 +47,39 @@ def _local_copy(op_name: str, output: torch.Tensor, input: torch.Tensor) -> None
     output.view(-1).copy_(input.reshape(-1))
 
 
+class CollectiveHandle:
+    """A collective started with ``async_op=True``; call ``wait()`` before reading its output.
+
+    Work issued between the start and ``wait()`` runs while the transfer is in flight: in an
+    unsplit step run as one ubatch that is single-batch overlap (the shared experts under the
+    dispatch), in a split step the other ubatches run too, since ``wait()`` yields first.
+    Outside a ubatch it wraps torch.distributed's work object (or nothing, on one rank).
+    """
+
+    def __init__(self, op_name: str) -> None:
+        self.op_name = op_name
+        self.pending: scheduler.PendingCollective | None = None
+        self.work: Any = None
+        self._waited = False
+
+    def wait(self) -> bool:
+        """Wait for the collective (once; later calls return at once). Always True."""
+        if not self._waited:
+            self._waited = True
+            run_island(self._finish)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited
+
+    def _finish(self) -> None:
+        """The wait proper, an eager island: a piecewise replay re-runs it after its launch."""
+        if self.pending is not None:
+            scheduler.current_ubatch().finish_collective(self.pending)
+        elif self.work is not None:
+            self.work.wait()
+
+
 def _run(
     op_name: str,
     launch: Callable[[bool, Any], Any],
@@ -54,9 +87,11 @@ def _run(
     group: Any,
     async_op: bool,
     timeout: float | None,
-) -> Any:
+) -> CollectiveHandle | None:
     """Run one collective (an eager island): plainly, locally (one rank), or overlapped."""
-    return run_island(_collective, op_name, launch, local, group, async_op, timeout)
+    handle = CollectiveHandle(op_name) if async_op else None
+    run_island(_collective, op_name, launch, local, group, handle, timeout)
+    return handle
 
 
 def _collective(
@@ -64,21 +99,27 @@ def _collective(
     launch: Callable[[bool, Any], Any],
     local: Callable[[], None],
     group: Any,
-    async_op: bool,
+    handle: CollectiveHandle | None,
     timeout: float | None,
-) -> Any:
+) -> None:
     ubatch = scheduler.current_ubatch()
     if ubatch is not None:
         group = ubatch.scheduler.resolve_group(group)
     if _world_size(group) == 1:
         local()
-        if ubatch is not None:
+        if ubatch is not None and handle is None:
             scheduler.yield_ubatch()
-        return None
-    if ubatch is None or async_op:
-        return launch(async_op, group)
-    ubatch.run_collective(op_name, lambda is_async: launch(is_async, group), timeout)
-    return None
+        return
+    if ubatch is None:
+        work = launch(handle is not None, group)
+        if handle is not None:
+            handle.work = work
+        return
+    start = functools.partial(ubatch.start_collective, op_name, lambda is_async: launch(is_async, group), timeout)
+    if handle is None:
+        ubatch.finish_collective(start())
+    else:
+        handle.pending = start(handle.pending)
 
 
 def all_to_all_single(

@@ -32,19 +32,28 @@ class GraphedModel:
         use_breakable_cg: bool = False,
         graph_backend: Any = None,
         sm_partition: Any = None,
+        single_batch_overlap: bool = False,
     ) -> None:
         self.model = model
+        self.single_batch_overlap = single_batch_overlap
         self.max_blocks_per_req = max_blocks_per_req
         self.manager = CudaGraphManager(device=model.device, use_breakable_cg=use_breakable_cg,
                                         backend=graph_backend)
         self.descriptors = make_descriptors(capture_sizes, modes=modes, uniform_token_count=uniform_token_count,
                                             ubatch_counts=ubatch_counts)
         self.wrappers = {n: UBatchWrapper(model, num_ubatches=n, device=model.device, sm_partition=sm_partition)
-                         for n in ubatch_counts if n > 1}
+                         for n in ubatch_counts if n > 1 or single_batch_overlap}
         self.static: dict[BatchExecutionDescriptor, Any] = {}
 
     def _runnable(self, num_ubatches: int) -> Any:
-        return self.model if num_ubatches == 1 else self.wrappers[num_ubatches]
+        return self.wrappers.get(num_ubatches, self.model)
+
+    def _slices(self, query_lens: Sequence[int], num_ubatches: int, num_tokens: int | None = None) -> Any:
+        """The step's ubatch slices: None runs it plainly; one slice runs it unsplit as a single
+        ubatch, its collectives on the comm stream (single-batch overlap)."""
+        if num_ubatches == 1 and not self.single_batch_overlap:
+            return None
+        return split_batch(query_lens, num_ubatches, num_tokens)
 
     def _create_forward_fn(self, desc: BatchExecutionDescriptor):
         model = self.model
@@ -53,12 +62,13 @@ class GraphedModel:
                                         max_blocks_per_req=self.max_blocks_per_req, device=model.device)
             self.static[desc] = static
             metadata, kwargs = static.attn_metadata(), static.forward_context_kwargs()
+            if desc.num_ubatches == 1 and self.single_batch_overlap:
+                kwargs["ubatch_slices"] = self._slices([desc.uniform_token_count] * desc.num_reqs, 1)
         else:
             static = _StaticTokens(desc.num_tokens, model.device)
             self.static[desc] = static
             metadata, kwargs = self._dummy_metadata(desc.num_tokens), {"num_tokens": desc.num_tokens}
-            if desc.num_ubatches > 1:
-                kwargs["ubatch_slices"] = split_batch([desc.num_tokens], desc.num_ubatches)
+            kwargs["ubatch_slices"] = self._slices([desc.num_tokens], desc.num_ubatches)
         runnable = self._runnable(desc.num_ubatches)
 
         skip_attention = self.manager.skip_attention_for(desc)
@@ -115,9 +125,7 @@ class GraphedModel:
         static.fill(input_ids, positions, metadata)
         if desc.cg_mode == CUDAGraphMode.FULL:
             return self.manager.replay(desc)
-        slices = None
-        if desc.num_ubatches > 1:
-            slices = split_batch(metadata.query_lens(), desc.num_ubatches, desc.num_tokens)
+        slices = self._slices(metadata.query_lens(), desc.num_ubatches, desc.num_tokens)
         with set_forward_context({n: metadata for n in self.model.layer_names},
                                  no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
                                  cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
@@ -136,7 +144,7 @@ class GraphedModel:
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
               *, num_ubatches: int = 1) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        slices = split_batch(metadata.query_lens(), num_ubatches) if num_ubatches > 1 else None
+        slices = self._slices(metadata.query_lens(), num_ubatches)
         with torch.inference_mode(), set_forward_context(
             {n: metadata for n in self.model.layer_names}, no_compile_layers=self.model.attention_layers,
             ubatch_slices=slices, num_tokens=num_tokens,

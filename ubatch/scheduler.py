@@ -81,40 +81,73 @@ class UbatchState:
 
     def run_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None) -> None:
         """Issue a collective on the comm stream (CUDA) or asynchronously (CPU), yield, then wait."""
+        self.finish_collective(self.start_collective(op_name, launch, timeout))
+
+    def start_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None,
+                         pending: PendingCollective | None = None) -> PendingCollective:
+        """Launch a collective without waiting for it: on CUDA it is enqueued on the comm stream
+        after the compute issued so far; on CPU ``launch(True)`` returns the in-flight work.
+
+        ``pending`` is refilled when given, so a piecewise graph replay that re-runs the launch
+        leaves its wait, recorded once at capture, waiting on this launch.
+        """
         sched = self.scheduler
-        if self.compute_stream is not None:
-            self.comm_ready_event.record(self.compute_stream)
-            sched.comm_stream.wait_event(self.comm_ready_event)
-            sched.comm_stream_used = True
-            start = sched.trace.mark(sched.comm_stream) if sched.trace else None
-            with torch.cuda.stream(sched.comm_stream):
-                launch(False)
-            self.comm_done_event.record(sched.comm_stream)
-            if sched.trace:
-                sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark(sched.comm_stream))
-            self.yield_now()
-            self.compute_stream.wait_event(self.comm_done_event)
-            self._restart_segment()
-            return
-        start = sched.trace.mark() if sched.trace else None
-        work = launch(True)
-        self.yield_now()
-        limit = sched.timeout_s if timeout is None else timeout
-        try:
-            work.wait(timedelta(seconds=limit))
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"ubatch {self.ubatch_id} waited more than {limit:g} s for {op_name} "
-                f"(a peer rank may have failed or left): {exc}"
-            ) from exc
+        pending = pending or PendingCollective(op_name)
+        pending.timeout = timeout
+        if self.compute_stream is None:
+            pending.start = sched.trace.mark() if sched.trace else None
+            pending.work = launch(True)
+            return pending
+        self.comm_ready_event.record(self.compute_stream)
+        sched.comm_stream.wait_event(self.comm_ready_event)
+        sched.comm_stream_used = True
+        start = sched.trace.mark(sched.comm_stream) if sched.trace else None
+        with torch.cuda.stream(sched.comm_stream):
+            launch(False)
+        if pending.done_event is None:
+            pending.done_event = torch.cuda.Event()
+        pending.done_event.record(sched.comm_stream)
         if sched.trace:
-            sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark())
+            sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark(sched.comm_stream))
+        return pending
+
+    def finish_collective(self, pending: PendingCollective) -> None:
+        """Yield to the other ubatches while the collective is in flight, then make this ubatch's
+        compute wait for its result."""
+        self.yield_now()
+        if pending.done_event is not None:
+            self.compute_stream.wait_event(pending.done_event)
+        else:
+            sched = self.scheduler
+            limit = sched.timeout_s if pending.timeout is None else pending.timeout
+            try:
+                pending.work.wait(timedelta(seconds=limit))
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"ubatch {self.ubatch_id} waited more than {limit:g} s for {pending.op_name} "
+                    f"(a peer rank may have failed or left): {exc}"
+                ) from exc
+            pending.work = None
+            if sched.trace:
+                sched.trace.add(self.ubatch_id, "comm", pending.op_name, pending.start, sched.trace.mark())
         self._restart_segment()
 
     def _restart_segment(self) -> None:
         """Compute after a collective starts once its result is in: waiting is not computing."""
         if self.scheduler.trace:
             self.segment_start = self.scheduler.trace.mark(self.compute_stream)
+
+
+@dataclass
+class PendingCollective:
+    """A collective a ubatch launched and has not waited for yet (its done event on CUDA, its
+    work object on CPU)."""
+
+    op_name: str
+    timeout: float | None = None
+    done_event: Any = None
+    work: Any = None
+    start: Any = None
 
 
 @dataclass

@@ -58,6 +58,8 @@ def make_ubatch_contexts(parent: ForwardContext, slices: Sequence[UBatchSlice]) 
 def _per_ubatch(value: Any, slices: Sequence[UBatchSlice], name: str, split: Callable[..., list[Any]]) -> list[Any]:
     if value is None:
         return [None] * len(slices)
+    if len(slices) == 1 and isinstance(value, dict):
+        return [value]  # one slice covers the whole step: nothing to split
     if isinstance(value, (list, tuple)):
         if len(value) != len(slices):
             raise ValueError(f"{name} holds {len(value)} per-ubatch entries but there are {len(slices)} ubatch slices")
@@ -139,8 +141,10 @@ def _keyword_constructible(value: dict) -> bool:
 class UBatchWrapper:
     """Calls ``runnable`` once per ubatch slice of the current forward context, overlapped.
 
-    Inside a forward context with two or more ``ubatch_slices`` each slice runs as a ubatch on the
-    scheduler; otherwise the runnable is called directly. See DESIGN.md's contract.
+    Inside a forward context with ``ubatch_slices`` each slice runs as a ubatch on the scheduler;
+    otherwise the runnable is called directly. One slice runs the step unsplit as a single ubatch:
+    its collectives still run on the comm stream, so work the model issues between starting one
+    and waiting for it overlaps the transfer (single-batch overlap). See docs/design.md.
     """
 
     def __init__(
@@ -155,8 +159,8 @@ class UBatchWrapper:
     ) -> None:
         if not callable(runnable):
             raise TypeError(f"UBatchWrapper needs a callable runnable, got {type(runnable).__name__}")
-        if not isinstance(num_ubatches, int) or num_ubatches < 2:
-            raise ValueError(f"num_ubatches must be an int >= 2, got {num_ubatches!r}")
+        if not isinstance(num_ubatches, int) or num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
         if scheduler is not None and scheduler.num_ubatches < num_ubatches:
             raise ValueError(
                 f"the scheduler runs {scheduler.num_ubatches} ubatches but num_ubatches={num_ubatches}"
@@ -202,7 +206,7 @@ class UBatchWrapper:
         if not is_forward_context_available():
             return None
         slices = get_forward_context().ubatch_slices
-        if slices is None or len(slices) < 2:
+        if not slices:
             return None
         if len(slices) > self.num_ubatches:
             raise ValueError(

@@ -26,13 +26,19 @@ from ubatch.models.dense import Decoder
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 
 
-def _all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    """``comm.all_to_all_single`` over ``group``. No group means one rank even inside a
-    multi-rank job, where ``comm`` would read None as the whole world."""
+def _start_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> comm.CollectiveHandle | None:
+    """``comm.all_to_all_single`` over ``group``, started without waiting (None: done already).
+    No group means one rank even inside a multi-rank job, where ``comm`` would read None as the
+    whole world."""
     if group is None and dist.is_initialized() and dist.get_world_size() > 1:
         output.copy_(input)
-    else:
-        comm.all_to_all_single(output, input, group=group)
+        return None
+    return comm.all_to_all_single(output, input, group=group, async_op=True)
+
+
+def _wait(handle: comm.CollectiveHandle | None) -> None:
+    if handle is not None:
+        handle.wait()
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
@@ -102,15 +108,31 @@ class MoEFFN(nn.Module):
                                     seed=config.seed, dtype=config.dtype, device=device, tp_group=tp_group)
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device),
                              persistent=False)
-        self.register_buffer("ranks", torch.arange(world, device=device)[:, None], persistent=False)
+        self.expert_chunks = 1
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
     def capacity(self, num_tokens: int) -> int:
-        """Rows each rank sends to each destination rank for ``num_tokens`` tokens."""
+        """Rows each rank sends to each destination rank per expert group for ``num_tokens``
+        tokens: the worst case, or ``capacity_factor`` times the balanced share."""
         worst = num_tokens * self.top_k
         if self.capacity_factor is None:
             return worst
-        return max(1, min(worst, math.ceil(self.capacity_factor * worst / self.ep_world)))
+        share = worst / (self.ep_world * self.expert_chunks)
+        return max(1, min(worst, math.ceil(self.capacity_factor * share)))
+
+    @property
+    def expert_chunks(self) -> int:
+        """Groups of local experts the dispatch -> experts -> combine chain is pipelined over."""
+        return self._expert_chunks
+
+    @expert_chunks.setter
+    def expert_chunks(self, chunks: int) -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or self.num_local_experts % chunks:
+            raise ValueError(f"expert_chunks must be a positive int dividing the {self.num_local_experts} local "
+                             f"experts, got {chunks!r}")
+        self._expert_chunks = chunks
+        buckets = torch.arange(chunks * self.ep_world, device=self.overflow_count.device)[:, None]
+        self.register_buffer("buckets", buckets, persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32 summing to 1, expert ids [T, k])."""
@@ -119,67 +141,86 @@ class MoEFFN(nn.Module):
         return weights / weights.sum(dim=-1, keepdim=True), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
+        per group of local experts, so group g's GEMMs run while group g+1's rows are in flight
+        and every expert's weights are still read once. The shared experts run under the
+        dispatch (single-batch overlap): they need only ``x``."""
         weights, ids = self.route(x)
         num_tokens, hidden = x.shape
-        cap, world, n_local = self.capacity(num_tokens), self.ep_world, self.num_local_experts
-        rows = world * cap
+        k, world, n_local = self.expert_chunks, self.ep_world, self.num_local_experts
+        cap = self.capacity(num_tokens)
+        group_rows = world * cap
+        trash = k * group_rows
 
-        # Slot of each (token, expert) assignment in the send buffer: destination-major, in
-        # token order within a destination; assignments past capacity go to the trash row. The
-        # count runs along one contiguous row per destination: a cumsum down a [T * k, world]
-        # one-hot took 0.75 ms per layer at 4096 tokens on an H200.
-        dest = (ids // n_local).flatten()
-        pos = (dest == self.ranks).cumsum(1).gather(0, dest[None])[0] - 1
+        # Slot of each (token, expert) assignment in the send buffer: group-major, then
+        # destination, in token order within a (group, destination) bucket; assignments past
+        # capacity go to the trash row. The count runs along one contiguous row per bucket: a
+        # cumsum down a [T * top_k, buckets] one-hot took 0.75 ms per layer at 4096 tokens.
+        local = (ids % n_local).flatten()
+        bucket = local // (n_local // k) * world + (ids // n_local).flatten()
+        pos = (bucket == self.buckets).cumsum(1).gather(0, bucket[None])[0] - 1
         kept = pos < cap
-        slot = torch.where(kept, dest * cap + pos, rows)
+        slot = torch.where(kept, bucket * cap + pos, trash)
         if cap < num_tokens * self.top_k:
             self.overflow_count += (~kept).sum()
 
         # The local expert id rides in extra columns (exact in any float dtype for ids < 256), so
-        # one all-to-all carries rows and routing: a collective and a yield fewer per layer. The
-        # row stays a multiple of 16 bytes: NCCL is far slower on misaligned per-peer chunks.
+        # one all-to-all carries rows and routing. The row stays a multiple of 16 bytes: NCCL is
+        # far slower on misaligned per-peer chunks. Padding rows carry id -1 and are never read
+        # back, so only their id column is written.
         extra = 16 // x.element_size()
-        send = x.new_zeros(rows + 1, hidden + extra)
-        send[:, hidden] = -1
-        expert_col = (ids % n_local).flatten()[:, None].to(x.dtype).expand(-1, extra)
+        send = x.new_empty(trash + 1, hidden + extra)
+        send[:, hidden:] = -1
+        expert_col = local[:, None].to(x.dtype).expand(-1, extra)
         send.index_copy_(0, slot, torch.cat([x.repeat_interleave(self.top_k, dim=0), expert_col], dim=1))
-        recv = torch.empty_like(send[:rows])
-        _all_to_all(recv, send[:rows], self.ep_group)
+        recv = torch.empty_like(send[:trash])
+        groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
+        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
 
-        expert_out = self._experts(recv[:, :hidden], recv[:, hidden].long())
-        back = x.new_zeros(rows + 1, hidden)
-        _all_to_all(back[:rows], expert_out, self.ep_group)
+        shared = self.shared(x) if self.shared is not None else None
+
+        back = x.new_empty(trash + 1, hidden)
+        back[trash].zero_()
+        combines = []
+        for g, rows in enumerate(groups):
+            _wait(dispatches[g])
+            expert_out = self._experts(recv[rows, :hidden], recv[rows, hidden].long(), g)
+            combines.append(_start_all_to_all(back[rows], expert_out, self.ep_group))
+        for handle in combines:
+            _wait(handle)
 
         routed = back[slot].view(num_tokens, self.top_k, hidden).float()
         out = (routed * weights[..., None]).sum(dim=1).to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        return out if shared is None else out + shared
 
-    def _experts(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Each row through its local expert (SwiGLU); rows with expert -1 give zeros."""
+    def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int) -> torch.Tensor:
+        """Each row through its local expert (SwiGLU), for the rows of expert group ``group``;
+        rows with expert -1 are padding, whose output is never read."""
+        size = self.num_local_experts // self.expert_chunks
+        experts = slice(group * size, (group + 1) * size)
+        expert = expert - group * size
         if self.use_grouped_mm:
-            return self._experts_grouped(x, expert)
-        return self._experts_masked(x, expert)
+            return self._experts_grouped(x, expert, self.w13[experts], self.w2[experts])
+        return self._experts_masked(x, expert, self.w13[experts], self.w2[experts])
 
-    def _experts_grouped(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        n_local = self.num_local_experts
-        key = torch.where(expert < 0, n_local, expert)
+    @staticmethod
+    def _experts_grouped(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        n = w13.shape[0]
+        key = torch.where(expert < 0, n, expert)
         order = torch.argsort(key, stable=True)
-        counts = torch.zeros(n_local + 1, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, key, torch.ones_like(key))
-        offsets = counts[:n_local].cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x[order], self.w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        sorted_out = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
-        # Rows past the last offset (padding) are left unwritten by the grouped GEMM.
-        sorted_out = torch.where((key[order] < n_local)[:, None], sorted_out, 0)
+        offsets = counts[:n].cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        sorted_out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
         return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
-    def _experts_masked(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _experts_masked(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e in range(self.num_local_experts):
-            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-            out += torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, self.w2[e]), 0)
+        for e in range(w13.shape[0]):
+            gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+            out += torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, w2[e]), 0)
         return out
 
 

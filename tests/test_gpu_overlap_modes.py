@@ -1,0 +1,57 @@
+"""Overlap modes on the GPU: single-batch overlap and expert pipelining replayed from FULL and
+PIECEWISE graphs equal the plain eager step, float32 (masked experts) and bf16 (grouped GEMM).
+
+Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
+grouped GEMM's row blocking).
+"""
+
+import random
+
+import pytest
+import torch
+
+from tests.test_gpu_cudagraph import BLOCK, MAX_BLOCKS, _decode_shapes, _mixed_shapes
+from ubatch import CUDAGraphMode
+from ubatch.bench.workload import make_step
+from ubatch.graphed import GraphedModel
+from ubatch.models import ModelConfig, build_model
+
+CONFIGS = {
+    "float32": (dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_experts=1),
+                dict(atol=1e-4, rtol=1e-4)),
+    "bf16": (dict(num_experts=8, top_k=2, hidden_size=128, moe_intermediate_size=128, num_shared_experts=1,
+                  dtype=torch.bfloat16), dict(atol=2e-2, rtol=2e-2)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE])
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_single_batch_overlap_replay_equals_plain_eager(dtype, mode, chunks):
+    config, tol = CONFIGS[dtype]
+    model = build_model(ModelConfig(**config), device="cuda")
+    for layer in model.moe_layers.values():
+        layer.expert_chunks = chunks
+    _, cache = make_step(model, [1] * 64, [BLOCK * MAX_BLOCKS - 1] * 64, block_size=BLOCK)
+    sizes = [8, 16] if mode == CUDAGraphMode.FULL else [32]
+    graphed = GraphedModel(model, max_blocks_per_req=MAX_BLOCKS, capture_sizes=sizes, modes=(mode,),
+                           single_batch_overlap=True)
+    graphed.capture()
+    plain = GraphedModel(model, max_blocks_per_req=MAX_BLOCKS, capture_sizes=[], modes=(mode,))
+    shapes = _decode_shapes if mode == CUDAGraphMode.FULL else _mixed_shapes
+    rng = random.Random(chunks)
+    try:
+        for trial, (query_lens, context_lens) in enumerate(shapes(rng)):
+            step, _ = make_step(model, query_lens, context_lens, block_size=BLOCK, cache=cache, seed=trial)
+            md = step.attn_metadata[model.layer_names[0]]
+            assert graphed.plan(md.num_actual_tokens, md.num_reqs, None if mode == CUDAGraphMode.PIECEWISE else 1)
+            got = graphed.run(step.input_ids, step.positions, md).clone()
+            for layer in model.moe_layers.values():
+                layer.expert_chunks = 1
+            expected = plain.eager(step.input_ids, step.positions, md)
+            for layer in model.moe_layers.values():
+                layer.expert_chunks = chunks
+            torch.testing.assert_close(got, expected, **tol)
+    finally:
+        graphed.release()

@@ -1,0 +1,105 @@
+"""Every overlap mode equals the plain unsplit step: single-batch overlap (one slice run as a
+ubatch), expert pipelining (``expert_chunks``), token splits, and their combinations, in one
+process and expert-parallel over two gloo ranks; and the shared experts run while the dispatch
+is in flight.
+
+Tolerance: float32 on CPU, atol = rtol = 1e-5 (GEMMs over other row counts or expert groups may
+block their sums differently).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from ubatch import comm, set_forward_context, split_batch
+from ubatch.bench.workload import make_step
+from ubatch.models import ModelConfig, build_model
+from ubatch.wrapper import UBatchWrapper
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+CONFIG = dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_experts=1)
+
+
+def _forward(runnable, model, step, slices=None):
+    with torch.inference_mode(), set_forward_context(
+        step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
+        num_tokens=step.num_tokens,
+    ):
+        return runnable(step.input_ids, step.positions)
+
+
+def _set_chunks(model, chunks: int) -> None:
+    for layer in model.moe_layers.values():
+        layer.expert_chunks = chunks
+
+
+def check_modes_equal_unsplit(model, seed: int, modes) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    query_lens = [rng.choice([1, rng.randint(2, 9)]) for _ in range(n)]
+    context_lens = [rng.choice([0, rng.randint(1, 15)]) for _ in range(n)]
+    step, cache = make_step(model, query_lens, context_lens, block_size=4, seed=seed)
+    before = {name: cache[name].clone() for name in model.layer_names}
+    _set_chunks(model, 1)
+    expected = _forward(model, model, step)
+    wrapper = UBatchWrapper(model, num_ubatches=3, device=model.device)
+    for num_ubatches, chunks in modes:
+        for name in model.layer_names:
+            cache[name].copy_(before[name])
+        _set_chunks(model, chunks)
+        got = _forward(wrapper, model, step, split_batch(query_lens, num_ubatches))
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"N={num_ubatches} k={chunks}: {m}")
+    _set_chunks(model, 1)
+
+
+MODES = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (3, 4)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_modes_equal_unsplit_one_process(seed):
+    model = build_model(ModelConfig(**CONFIG), device="cpu")
+    check_modes_equal_unsplit(model, seed, MODES)
+
+
+def _modes_over_ep(rank: int, world: int) -> None:
+    model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=dist.group.WORLD)
+    for seed in range(2):
+        check_modes_equal_unsplit(model, seed, [(1, 1), (1, 2), (1, 4), (2, 2), (3, 1)])
+
+
+def test_overlap_modes_equal_unsplit_expert_parallel():
+    run_distributed(_modes_over_ep, world_size=2)
+
+
+def test_expert_chunks_must_divide_local_experts():
+    layer = next(iter(build_model(ModelConfig(**CONFIG), device="cpu").moe_layers.values()))
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="expert_chunks"):
+            layer.expert_chunks = bad
+
+
+def test_capacity_is_per_expert_group():
+    layer = next(iter(build_model(ModelConfig(**CONFIG, capacity_factor=1.5), device="cpu").moe_layers.values()))
+    assert layer.capacity(64) == 128  # 1.5 * 64 * 2 / (1 rank * 1 group), capped at the worst case
+    layer.expert_chunks = 4
+    assert layer.capacity(64) == 48  # 1.5 * 128 / 4 groups
+
+
+def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
+    """Single-batch overlap: every group's dispatch starts, the shared experts run, and only then
+    does the layer wait for the first dispatch."""
+    model = build_model(ModelConfig(**CONFIG), device="cpu")
+    _set_chunks(model, 2)
+    events = []
+    start, wait = comm.all_to_all_single, comm.CollectiveHandle.wait
+    monkeypatch.setattr(comm, "all_to_all_single", lambda *a, **k: events.append("start") or start(*a, **k))
+    monkeypatch.setattr(comm.CollectiveHandle, "wait", lambda self: events.append("wait") or wait(self))
+    layer = next(iter(model.moe_layers.values()))
+    layer.shared.register_forward_hook(lambda *_: events.append("shared"))
+    step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
+    _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
+    first_layer = events[: events.index("shared") + 2]
+    assert first_layer == ["start", "start", "shared", "wait"], events
