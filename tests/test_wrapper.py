@@ -109,7 +109,7 @@ def test_arguments_sliced_by_leading_dim_and_outputs_merged():
     assert out["flag"] == "f" and out["none"] is None
 
 
-def test_without_slices_the_runnable_is_called_directly():
+def test_without_slices_the_runnable_is_called_directly_and_one_slice_runs_as_one_ubatch():
     x = torch.ones(4)
     assert torch.equal(UBatchWrapper(lambda t, scale: t * scale, device="cpu")(x, scale=2.0), 2 * x)
     seen = []
@@ -118,7 +118,7 @@ def test_without_slices_the_runnable_is_called_directly():
         wrapper(x)
     with set_forward_context(None):
         wrapper(x)
-    assert [c.ubatch_id for c in seen] == [None, None]
+    assert [c.ubatch_id for c in seen] == [0, None]
 
 
 def test_errors_name_the_problem():
