@@ -138,3 +138,45 @@ class SplitPolicy:
         if best == 1 or unsplit < self.min_gain * self.costs.predict_ms(num_tokens, best):
             return 1
         return best
+
+
+class ModePolicy:
+    """Chooses the overlap mode (``ubatch.overlap.OverlapMode`` names) predicted fastest for a
+    step of ``num_tokens``, from each mode's step time measured at a few sizes: linear in the
+    tokens between measured sizes, proportional beyond the largest and flat below the smallest.
+
+    Modes are listed simplest first (unsplit first); a later mode must beat every earlier one by
+    ``min_gain`` in the prediction, so timing noise never trades a plain step for a mode that is
+    no faster. Calibrated from graph replays (no host cost in the prediction), which is how the
+    split policy picks ubatch counts under graphs too.
+    """
+
+    def __init__(self, timings_ms: Mapping[str, Mapping[int, float]], *, min_gain: float = 1.01) -> None:
+        if not timings_ms:
+            raise ValueError("ModePolicy needs the timings of at least one mode")
+        if min_gain < 1.0:
+            raise ValueError(f"min_gain must be >= 1.0, got {min_gain}")
+        for name, samples in timings_ms.items():
+            if not samples or any(not isinstance(t, int) or t < 0 or not ms > 0 for t, ms in samples.items()):
+                raise ValueError(f"mode {name!r} needs timings {{tokens >= 0: ms > 0}}, got {dict(samples)}")
+        self.timings_ms = {name: dict(sorted(samples.items())) for name, samples in timings_ms.items()}
+        self.min_gain = min_gain
+
+    def predict_ms(self, mode: str, num_tokens: int) -> float:
+        samples = self.timings_ms[mode]
+        sizes = list(samples)
+        if num_tokens <= sizes[0]:
+            return samples[sizes[0]]
+        if num_tokens >= sizes[-1]:
+            return samples[sizes[-1]] * num_tokens / sizes[-1] if sizes[-1] else samples[sizes[-1]]
+        hi = next(i for i, t in enumerate(sizes) if t >= num_tokens)
+        (t0, y0), (t1, y1) = (sizes[hi - 1], samples[sizes[hi - 1]]), (sizes[hi], samples[sizes[hi]])
+        return y0 + (y1 - y0) * (num_tokens - t0) / (t1 - t0)
+
+    def decide(self, num_tokens: int) -> str:
+        choice = None
+        for mode in self.timings_ms:
+            ms = self.predict_ms(mode, num_tokens)
+            if choice is None or ms * self.min_gain < choice[1]:
+                choice = (mode, ms)
+        return choice[0]

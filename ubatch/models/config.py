@@ -127,4 +127,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small-moe": dict(_SMALL, num_experts=8, top_k=2, moe_intermediate_size=704, num_shared_experts=1),
     "dense-bench": _BENCH,
     "moe-bench": dict(_BENCH, num_experts=8, top_k=2, moe_intermediate_size=14336),
+    # DeepSeek-style: fine-grained routed experts and one shared expert, so single-batch overlap has
+    # work (the shared expert) to run under the dispatch; its 64 routed experts of 2048 take 3.2 GB
+    # a layer in bf16, 26 GB over 8 layers, on one H200 per rank.
+    "tiny-deepseek": dict(_TINY, num_experts=16, top_k=4, moe_intermediate_size=32, num_shared_experts=1),
+    "deepseek-bench": dict(_BENCH, num_experts=64, top_k=8, moe_intermediate_size=2048, num_shared_experts=1),
 }

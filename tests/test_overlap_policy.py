@@ -1,0 +1,80 @@
+"""Overlap modes by name, the policy over modes, and the modes sweep of ubatch-bench (eager, CPU)."""
+
+import pytest
+
+from ubatch.bench.modes import Timing, auto_point, mode_rows, sweep_modes
+from ubatch.bench.workload import make_step
+from ubatch.models import ModelConfig, build_model
+from ubatch.overlap import OverlapMode, parse_modes, supported
+from ubatch.policy import ModePolicy
+
+
+@pytest.mark.parametrize("text, mode", [
+    ("unsplit", OverlapMode()),
+    ("overlap", OverlapMode(single_batch=True)),
+    ("pipeline4", OverlapMode(expert_chunks=4)),
+    ("split3", OverlapMode(num_ubatches=3)),
+    ("split2+pipeline2", OverlapMode(num_ubatches=2, expert_chunks=2)),
+])
+def test_modes_parse_and_name_themselves(text, mode):
+    assert OverlapMode.parse(text) == mode and mode.name == text
+    assert mode.runs_as_ubatches == (text != "unsplit")
+
+
+@pytest.mark.parametrize("text", ["", "split", "pipeline0", "split2+split3", "tokens2", "split-1"])
+def test_bad_mode_names_are_refused(text):
+    with pytest.raises(ValueError, match="overlap mode|must be an int"):
+        parse_modes(text)
+
+
+def test_parse_modes_puts_the_unsplit_baseline_first_once():
+    assert [m.name for m in parse_modes("split2,unsplit,overlap,split2")] == ["unsplit", "split2", "overlap"]
+
+
+def test_mode_policy_interpolates_and_prefers_the_simpler_mode_on_a_tie():
+    policy = ModePolicy({"unsplit": {256: 10.0, 1024: 20.0}, "overlap": {256: 9.0, 1024: 21.0},
+                         "split2": {256: 9.95, 1024: 15.0}})
+    assert policy.decide(256) == "overlap"
+    assert policy.predict_ms("split2", 640) == pytest.approx(9.95 + (15.0 - 9.95) * 384 / 768)
+    assert policy.decide(1024) == "split2"
+    assert policy.decide(4096) == "split2" and policy.predict_ms("unsplit", 4096) == pytest.approx(80.0)
+    tie = ModePolicy({"unsplit": {8: 10.0}, "overlap": {8: 9.95}})
+    assert tie.decide(8) == "unsplit", "within min_gain the plain step wins"
+
+
+def test_mode_policy_validates_its_timings():
+    with pytest.raises(ValueError, match="at least one mode"):
+        ModePolicy({})
+    with pytest.raises(ValueError, match="needs timings"):
+        ModePolicy({"unsplit": {256: 0.0}})
+    with pytest.raises(ValueError, match="min_gain"):
+        ModePolicy({"unsplit": {1: 1.0}}, min_gain=0.9)
+
+
+def test_supported_modes_need_chunks_that_divide_the_local_experts():
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    names = [m.name for m in supported(model, parse_modes("overlap,pipeline2,pipeline3,pipeline4,split2"))]
+    assert names == ["unsplit", "overlap", "pipeline2", "pipeline4", "split2"]
+    dense = build_model(ModelConfig.preset("tiny"), device="cpu")
+    assert [m.name for m in supported(dense, parse_modes("overlap,pipeline2"))] == ["unsplit", "overlap"]
+
+
+def test_eager_sweep_reports_every_mode_against_the_same_runs_baseline_and_ideal():
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [8, 8, 8, 8], [0, 4, 0, 9])
+    modes = parse_modes("overlap,pipeline2,split2")
+    sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=1, repeats=3)
+    rows = mode_rows(sweep, modes)
+    assert [r["mode"] for r in rows] == ["unsplit", "overlap", "pipeline2", "split2"]
+    assert rows[0]["speedup"] == 1.0
+    for r in rows:
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["ideal_speedup"] >= 1.0 and r["compute_ms"] > 0
+    point = auto_point(sweep, modes, step.num_tokens)
+    assert point["choice"] in {r["mode"] for r in rows} and 0 < point["auto_vs_best"] <= 1.0
+    assert all(layer.expert_chunks == 1 for layer in model.moe_layers.values()), "modes leave the model as it was"
+
+
+def test_timing_spread():
+    t = Timing.of([1.0, 2.0, 4.0])
+    assert (t.median_ms, t.min_ms, t.max_ms, t.spread) == (2.0, 1.0, 4.0, 1.5)

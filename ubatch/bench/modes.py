@@ -1,0 +1,165 @@
+"""ubatch-bench --modes: every overlap mode of one step side by side, in one run.
+
+Per mode (``ubatch.overlap.OverlapMode``) the step is timed ``repeats`` times (median, min and
+max), eagerly or replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise), and compared
+with the unsplit step of the same run:
+
+- ``speedup``: unsplit median over the mode's median;
+- ``compute_ms`` / ``comm_ms``: how long compute and communication were busy in the unsplit step
+  (graphs: from its profiled kernels, where the link stand-in's host copies and pacing kernel
+  count as communication; eager: the serial trace of ``ubatch.bench.measure``); the ideal is
+  (C + M) / max(C, M) and ``efficiency`` (speedup - 1) / (ideal - 1);
+- ``auto``: the mode the policy picks from a short timing of every mode right after capture (what
+  a runner can afford at start-up), beside the best measured mode.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ubatch.bench.graphs import replay_call
+from ubatch.bench.kernels import kernel_costs, profile_kernels
+from ubatch.bench.measure import EagerRuns, drain
+from ubatch.bench.workload import Step
+from ubatch.context import CUDAGraphMode, set_forward_context
+from ubatch.graphed import GraphedModel
+from ubatch.overlap import OverlapMode, apply_expert_chunks
+from ubatch.policy import ModePolicy
+from ubatch.wrapper import UBatchWrapper
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, samples_ms: Sequence[float]) -> Timing:
+        return cls(statistics.median(samples_ms), min(samples_ms), max(samples_ms))
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how far one repeat can stray."""
+        return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+
+def sample_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int) -> Timing:
+    """Wall time of ``fn`` over ``repeats`` runs, the device drained around each run."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        drain(device)
+        t0 = time.perf_counter()
+        fn()
+        drain(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing.of(samples)
+
+
+def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
+    """A call that runs ``step`` eagerly in ``mode`` (expert chunks applied for the call)."""
+    runnable = UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device) \
+        if mode.runs_as_ubatches else model
+    slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
+
+    def run() -> Any:
+        apply_expert_chunks(model, mode.expert_chunks)
+        try:
+            with torch.inference_mode(), set_forward_context(
+                step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
+                num_tokens=step.num_tokens,
+            ):
+                return runnable(step.input_ids, step.positions)
+        finally:
+            apply_expert_chunks(model, 1)
+
+    return run
+
+
+class GraphedMode:
+    """One mode's graph of the step, captured on entry and released on exit."""
+
+    def __init__(self, model: Any, step: Step, mode: OverlapMode, graph_mode: CUDAGraphMode,
+                 sm_partition: Any = None) -> None:
+        self.model, self.step, self.mode, self.graph_mode = model, step, mode, graph_mode
+        blocks = step.attn_metadata[model.layer_names[0]].block_table.shape[1]
+        apply_expert_chunks(model, mode.expert_chunks)
+        self.graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=blocks,
+                                    ubatch_counts=(mode.num_ubatches,), uniform_token_count=1, modes=(graph_mode,),
+                                    sm_partition=sm_partition, single_batch_overlap=mode.runs_as_ubatches)
+
+    def __enter__(self) -> Callable[[], Any]:
+        try:
+            self.graphed.capture()
+            return replay_call(self.graphed, self.step, self.mode.num_ubatches, self.graph_mode)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self.graphed.release()
+        apply_expert_chunks(self.model, 1)
+
+
+def sweep_modes(model: Any, step: Step, modes: Sequence[OverlapMode], *, graph_mode: CUDAGraphMode | None,
+                warmup: int, repeats: int, sm_partition: Any = None) -> dict[str, Any]:
+    """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M."""
+    if modes[0] != OverlapMode():
+        raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
+    device = model.device
+    timings: dict[str, Timing] = {}
+    quick: dict[str, float] = {}
+    for mode in modes:
+        if graph_mode is None:
+            fn = eager_call(model, step, mode)
+            quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
+            timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+            continue
+        with GraphedMode(model, step, mode, graph_mode, sm_partition if mode.runs_as_ubatches else None) as fn:
+            quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
+            timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+            if mode == OverlapMode():
+                compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
+    if graph_mode is None:
+        compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
+    return {"timings": timings, "capture_time_ms": quick, "compute_ms": compute_ms, "comm_ms": comm_ms}
+
+
+def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[str, Any]]:
+    """One report row per mode, every figure against the same run's unsplit step and ideal."""
+    base = sweep["timings"]["unsplit"]
+    c, m = sweep["compute_ms"], sweep["comm_ms"]
+    ideal = (c + m) / max(c, m) if max(c, m) > 0 else 1.0
+    rows = []
+    for mode in modes:
+        t = sweep["timings"][mode.name]
+        speedup = base.median_ms / t.median_ms
+        # The ratio of two medians strays by about the two spreads together.
+        spread = base.spread + t.spread
+        rows.append({
+            "mode": mode.name, "num_ubatches": mode.num_ubatches, "expert_chunks": mode.expert_chunks,
+            "single_batch": mode.single_batch, "median_ms": round(t.median_ms, 4), "min_ms": round(t.min_ms, 4),
+            "max_ms": round(t.max_ms, 4), "speedup": round(speedup, 4), "speedup_spread": round(speedup * spread, 4),
+            "compute_ms": round(c, 4), "comm_ms": round(m, 4), "ideal_speedup": round(ideal, 4),
+            "efficiency": None if ideal <= 1 + 1e-9 else round((speedup - 1) / (ideal - 1), 4),
+            "above_ideal": speedup > ideal * (1 + spread),
+        })
+    return rows
+
+
+def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: int) -> dict[str, Any]:
+    """The policy's pick from the post-capture timings beside the best measured mode."""
+    policy = ModePolicy({mode.name: {num_tokens: sweep["capture_time_ms"][mode.name]} for mode in modes})
+    choice = policy.decide(num_tokens)
+    measured = {name: t.median_ms for name, t in sweep["timings"].items()}
+    best = min(measured, key=measured.get)
+    return {"choice": choice, "best": best, "auto_ms": round(measured[choice], 4),
+            "best_ms": round(measured[best], 4), "auto_vs_best": round(measured[best] / measured[choice], 4)}
