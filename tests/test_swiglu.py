@@ -5,6 +5,8 @@ where Triton is installed, and on the GPU in the ``cuda`` tests (against the fal
 with host syncs turned into errors).
 """
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -135,6 +137,21 @@ print("interpreted kernel ok")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreted kernel ok" in result.stdout
+
+
+def test_bench_script_dry_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_swiglu", ROOT / "scripts" / "bench_swiglu.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_swiglu"] = bench  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(bench)
+    out = tmp_path / "swiglu.json"
+    rows = bench.main(["--dry-run", "--out", str(out)])
+    assert [r.valid_rows * 2 for r in rows] == [r.rows for r in rows]
+    assert {r.variant for r in rows} >= {"eager silu*mul", "kernel, padding skipped"}
+    skipped = next(r for r in rows if r.variant == "kernel, padding skipped")
+    assert skipped.gbytes == 3 * skipped.valid_rows * 64 * 2 / 1e9  # valid rows read (2I) and written (I), bf16
+    assert len(json.loads(out.read_text())["rows"]) == len(rows)
+    assert "kernel, padding zeroed" in capsys.readouterr().out
 
 
 def _gpu_inputs(rows, inter, valid, *, seed=0):
