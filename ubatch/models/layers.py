@@ -20,6 +20,7 @@ from torch import nn
 from ubatch import comm
 from ubatch.attention import Attention
 from ubatch.models.config import ModelConfig
+from ubatch.models.swiglu import swiglu
 
 
 def group_rank_world(group: Any) -> tuple[int, int]:
@@ -122,8 +123,7 @@ class SwiGLUMLP(nn.Module):
         self.down = frozen(shard(down, 1, rank, world))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.down)
+        out = F.linear(swiglu(F.linear(x, self.gate_up)), self.down)
         if self.tp_group is not None:
             comm.all_reduce(out, group=self.tp_group)
         return out

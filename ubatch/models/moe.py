@@ -24,6 +24,7 @@ from ubatch import comm
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
+from ubatch.models.swiglu import swiglu
 
 
 def _start_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> comm.CollectiveHandle | None:
@@ -211,8 +212,10 @@ class MoEFFN(nn.Module):
         counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, key, torch.ones_like(key))
         offsets = counts[:n].cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        sorted_out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+        gate_up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=offsets)
+        # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
+        hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
+        sorted_out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
         return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
     @staticmethod
