@@ -3,11 +3,13 @@ validation, the CLI form; on the GPU values, graph capture and replay, and the t
 
 import collections
 import contextlib
+import importlib.util
 import math
 import random
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,7 +468,7 @@ def test_cuda_eager_collectives_do_not_sync_once_prepared():
 def test_cuda_graph_capture_and_replay(bandwidth):
     link = HostLink(4, bandwidth)
     link.prepare()
-    static_in = torch.randn(4, 3 << 18, device="cuda")  # 12 MiB: more chunks than ring slots
+    static_in = torch.randn(4, 3 << 18, device="cuda")  # 12 MiB; the all-reduce moves 18 MiB, round the ring
     static_out = torch.zeros_like(static_in)
     reduced = torch.zeros_like(static_in)
     graph = torch.cuda.CUDAGraph()
@@ -534,3 +536,17 @@ def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth):
         samples.append(x.nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
     assert statistics.median(samples) == pytest.approx(bandwidth, rel=0.15)
     assert link.describe()["bandwidth_reached_gbps"] == pytest.approx(bandwidth, rel=0.15)
+
+
+def test_link_bandwidth_script_table_and_cpu_exit(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "link_bandwidth", Path(__file__).resolve().parents[1] / "scripts" / "link_bandwidth.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    row = dict(bandwidth_set_gbps=25.0, payload_mb=64, alone_gbps=24.0, beside_gemm_gbps=23.0, gemm_slowdown=1.08,
+               host_bound=False)
+    script._print_table([row, {**row, "bandwidth_set_gbps": None, "payload_mb": 1, "host_bound": True}])
+    out = capsys.readouterr().out
+    assert "-4% vs set" in out and "host-bound" in out
+    if not torch.cuda.is_available():
+        assert script.main([]) == 2
