@@ -514,7 +514,7 @@ def test_cuda_link_on_the_schedulers_comm_stream():
 
     got = sched.run([task(0), task(1)])
     torch.cuda.synchronize()
-    for g, x in zip(got, inputs):
+    for g, x in zip(got, inputs, strict=True):
         assert torch.equal(g, x * 2)
 
 
