@@ -1,0 +1,546 @@
+"""A process-group look-alike whose collectives move real bytes over a host-staged link, so one
+GPU (or one CPU process) can measure overlap against a transfer that takes no SMs.
+
+Numerically a ``HostLink`` is a world of ONE: every collective leaves the values a single rank
+would (all-to-all and the gather / scatter copy input to output, all-reduce leaves the tensor as
+it is). Physically it moves the bytes one rank of a world of ``world_size`` W sends (and, at the
+same time, receives), per collective:
+
+- ``all_to_all_single``: the rows addressed to the other W - 1 ranks, (W-1)/W of the input;
+- ``all_reduce`` (ring): 2(W-1)/W of the tensor;
+- ``all_gather_into_tensor`` / ``reduce_scatter_tensor``: (W-1)/W of the full buffer.
+
+``size()`` is W and ``rank()`` 0, so a model sizes its shards as one rank of W: its compute load
+is a real rank's (an expert-parallel rank holds 1/W of the experts and receives W capacity blocks;
+a tensor-parallel rank holds 1/W of the heads), while its outputs are one rank's partial results,
+not the W-rank model's. Compare times against a real group, not outputs.
+
+Bandwidth is in GB/s (1e9 bytes per second) per direction: 400 Gb/s InfiniBand is 50 GB/s,
+100 Gb/s Ethernet 12.5 GB/s.
+
+CUDA: the moved bytes go device -> pinned host slot (D2H, on the caller's current stream) ->
+device (H2D, on a side stream), in chunks pipelined through a ring of pinned slots, so D2H and
+H2D run at once on their own copy engines; events order each slot's reuse. All work forks from
+and joins back to the current stream, needs no host sync and can be captured in a CUDA graph.
+The all-to-all and gather / scatter outputs are written by the transfer itself, so a consumer
+that does not wait for the collective reads stale data, as it would over a real link. The first
+use outside a capture (or ``prepare()``) allocates the ring and side stream and calibrates: it
+synchronises the device once and times unthrottled round trips of 256 KiB-64 MiB (tens of ms).
+A bandwidth below what the copies reach is enforced by ``torch.cuda._sleep`` kernels (one thread
+in one block, no SM's compute) on the D2H stream, one per chunk, for the time the calibration
+says is missing; the sleep's cycles per second are measured once per device. The SM clock
+drops under heavy load, which makes the sleeps, and so the throttled link, somewhat slower.
+
+CPU: nothing moves. A collective sets the values (identity) and returns a ``LinkWork`` that
+completes ``bytes / bandwidth`` seconds after the link is free (transfers queue one after
+another, as on one communicator); ``wait`` sleeps until then, using no CPU. With no bandwidth
+set the CPU link runs at ``DEFAULT_CPU_GBPS``.
+
+Like a communicator's, one link's collectives must be ordered: issue them on one stream (the
+scheduler's comm stream) or on streams the caller orders, and keep the link alive as long as
+any CUDA graph that captured it. An eager collective on a new stream waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CPU_GBPS = 10.0  # a memcpy's speed: the CPU link's bandwidth when none is set
+DEFAULT_CHUNK_BYTES = 4 << 20  # largest chunk per copy, and the size of each pinned slot
+RING_SLOTS = 4  # pinned slots: D2H runs up to this many chunks ahead of H2D
+MIN_CHUNK_BYTES = 256 << 10
+CHUNK_ALIGN = 64 << 10
+MIN_PIECES = 4  # payloads are cut into at least this many chunks (unless chunks get too small)
+CALIBRATION_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+CALIBRATION_REPEATS = 3
+
+_ONE_RANK_OPS = (
+    dist.ReduceOp.SUM,
+    dist.ReduceOp.AVG,
+    dist.ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN,
+    dist.ReduceOp.MAX,
+    dist.ReduceOp.BAND,
+    dist.ReduceOp.BOR,
+    dist.ReduceOp.BXOR,
+)
+
+_CYCLES_PER_SECOND: dict[int, float] = {}
+
+
+class LinkWork:
+    """A collective in flight on a HostLink, shaped like ``torch.distributed``'s Work.
+
+    On CPU it completes at ``deadline`` (``time.monotonic()`` seconds). On CUDA it is complete
+    when returned: the work is on the stream, and the stream order carries the dependency.
+    ``nbytes`` is what the collective moved; ``seconds`` its transfer time on a CPU link (None on
+    CUDA).
+    """
+
+    def __init__(self, op_name: str, nbytes: int, seconds: float | None, deadline: float) -> None:
+        self.op_name = op_name
+        self.nbytes = nbytes
+        self.seconds = seconds
+        self.deadline = deadline
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Sleep until the transfer is done; RuntimeError at once if it would outlast ``timeout``
+        (None or ``timedelta(0)``: no limit, as in torch.distributed)."""
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
+        remaining = self.deadline - time.monotonic()
+        if timeout is not None and timeout > timedelta(0) and remaining > timeout.total_seconds():
+            raise RuntimeError(
+                f"HostLink {self.op_name} of {self.nbytes} bytes needs {remaining:.3f} s more, "
+                f"past the wait timeout of {timeout.total_seconds():g} s"
+            )
+        while remaining > 0:
+            time.sleep(remaining)
+            remaining = self.deadline - time.monotonic()
+        return True
+
+
+def is_link(group: Any) -> bool:
+    """Whether ``group`` is a HostLink (whose collectives ``ubatch.comm`` hands to it)."""
+    return isinstance(group, HostLink)
+
+
+def parse_link(text: str) -> HostLink | None:
+    """A HostLink from a CLI flag: ``host`` (copy-engine speed, world 2), ``host:25`` (25 GB/s),
+    ``host:25:w4`` (world size 4), ``host::w4`` (copy-engine speed, world 4); ``none``: None."""
+    if not isinstance(text, str):
+        raise TypeError(f"link must be a str, got {type(text).__name__}")
+    if text == "none":
+        return None
+    usage = f"link {text!r}: expected none, host, host:GBPS, host:GBPS:wWORLD or host::wWORLD (e.g. host:25:w4)"
+    parts = text.split(":")
+    if parts[0] != "host" or len(parts) > 3 or (len(parts) == 2 and not parts[1]):
+        raise ValueError(usage)
+    bandwidth = None
+    if len(parts) > 1 and parts[1]:
+        try:
+            bandwidth = float(parts[1])
+        except ValueError:
+            raise ValueError(f"{usage}; bandwidth {parts[1]!r} is not a number") from None
+        if not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"{usage}; bandwidth {parts[1]!r} must be a positive number of GB/s")
+    world_size = 2
+    if len(parts) == 3:
+        world = parts[2]
+        if not (world.startswith("w") and world[1:].isdigit() and int(world[1:]) >= 1):
+            raise ValueError(f"{usage}; world size {world!r} must be w followed by an integer >= 1")
+        world_size = int(world[1:])
+    return HostLink(world_size, bandwidth)
+
+
+def chunk_plan(total: int, length: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of each copy that moves ``total`` bytes through a ``length``-byte buffer,
+    going round it again while bytes remain: at least ``MIN_PIECES`` chunks where they can be
+    ``MIN_CHUNK_BYTES`` or more, none larger than ``chunk_bytes`` and none crossing the end."""
+    if total == 0:
+        return []
+    if length <= 0:
+        raise ValueError(f"cannot move {total} bytes through a buffer of {length} bytes")
+    size = -(-total // MIN_PIECES)
+    size = -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
+    size = min(chunk_bytes, max(size, min(MIN_CHUNK_BYTES, chunk_bytes)))
+    pieces, position = [], 0
+    while position < total:
+        offset = position % length
+        n = min(size, total - position, length - offset)
+        pieces.append((offset, n))
+        position += n
+    return pieces
+
+
+@dataclass(frozen=True)
+class CopyModel:
+    """Unthrottled round-trip time against payload size, from calibration: piecewise linear
+    between the measured sizes, flat below the smallest (latency-bound), and in proportion to size
+    beyond the largest (where pipelined chunks leave little latency)."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"CopyModel needs one time per size, got {self.sizes} and {self.seconds}")
+
+    def time(self, nbytes: int) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if nbytes <= sizes[0]:
+            return seconds[0]
+        if nbytes >= sizes[-1]:
+            return seconds[-1] * nbytes / sizes[-1]
+        i = next(i for i in range(1, len(sizes)) if nbytes <= sizes[i])
+        slope = max(0.0, (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1]))
+        return seconds[i - 1] + slope * (nbytes - sizes[i - 1])
+
+    def gbps(self) -> float:
+        """The bandwidth reached at the largest calibrated size."""
+        return self.sizes[-1] / self.seconds[-1] / 1e9
+
+
+def sleep_cycles_per_second(device: torch.device) -> float:
+    """Clock cycles per second of ``torch.cuda._sleep`` on ``device``, measured once and cached:
+    the slope of the sleep's time between 1M and 11M cycles (launch overhead cancels)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_SECOND:
+        stream = torch.cuda.Stream(index)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            torch.cuda._sleep(10_000_000)  # wake the clocks up
+
+            def timed(cycles: int) -> float:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            short, long = 1_000_000, 11_000_000
+            rates = [(long - short) / (timed(long) - timed(short)) for _ in range(3)]
+        _CYCLES_PER_SECOND[index] = statistics.median(rates)
+    return _CYCLES_PER_SECOND[index]
+
+
+class _CudaStaging:
+    """The CUDA side of one HostLink on one device: the pinned ring, the H2D side stream, the
+    events that order each slot's reuse, and the calibration that sets the throttle."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int, bandwidth_gbps: float | None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "HostLink was first used inside a CUDA graph capture: it must allocate pinned memory and "
+                "calibrate outside one. Call link.prepare() (or run the step once eagerly) before capturing"
+            )
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self.bandwidth_gbps = bandwidth_gbps
+        self.side = torch.cuda.Stream(device)
+        ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.slots = [ring[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
+        self.staged = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # D2H of the slot done
+        self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
+        self.done = torch.cuda.Event()
+        self.last_stream: Any = None
+        self.cycles_per_second: float | None = None
+        self.copy_model = self._calibrate(throttled=False)
+        self.reached_gbps = self.copy_model.gbps()
+        if bandwidth_gbps is not None and bandwidth_gbps < self.reached_gbps:
+            self.cycles_per_second = sleep_cycles_per_second(device)
+            throttled = self._calibrate(throttled=True, sizes=CALIBRATION_BYTES[-1:])
+            self.reached_gbps = throttled.gbps()
+
+    def _calibrate(self, *, throttled: bool, sizes: Sequence[int] = CALIBRATION_BYTES) -> CopyModel:
+        """Median round-trip time of each size on an idle device, on a private stream."""
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        times = []
+        with torch.cuda.stream(stream):
+            scratch = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for nbytes in sizes:
+                view = scratch[:nbytes]
+                self.round_trip(view, view, nbytes, throttled=throttled)
+                samples = []
+                for _ in range(CALIBRATION_REPEATS):
+                    start.record()
+                    self.round_trip(view, view, nbytes, throttled=throttled)
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) / 1e3)
+                times.append(statistics.median(samples))
+        return CopyModel(tuple(sizes), tuple(times))
+
+    def sleep_seconds(self, total: int) -> float:
+        """The time the throttle adds to an unthrottled round trip of ``total`` bytes."""
+        if self.cycles_per_second is None:
+            return 0.0
+        return max(0.0, total / (self.bandwidth_gbps * 1e9) - self.copy_model.time(total))
+
+    def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int, *, throttled: bool = True) -> None:
+        """Move ``total`` bytes from byte buffer ``src`` through pinned memory into ``dst`` (the
+        same length; the same buffer for an in-place round trip), going round it again while
+        bytes remain, all ordered on the current stream."""
+        pieces = chunk_plan(total, src.numel(), self.chunk_bytes)
+        if not pieces:
+            return
+        current = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and self.last_stream is not None and self.last_stream != current:
+            current.wait_event(self.done)  # the previous collective's stream still owns the ring
+        cycles = 0
+        if throttled and self.cycles_per_second is not None:
+            cycles = round(self.sleep_seconds(total) / len(pieces) * self.cycles_per_second)
+        for k, (offset, size) in enumerate(pieces):
+            j = k % RING_SLOTS
+            slot = self.slots[j][:size]
+            if cycles:
+                torch.cuda._sleep(cycles)  # before the copy, so the last H2D does not hide under it
+            if k >= RING_SLOTS:
+                current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
+            slot.copy_(src[offset:offset + size], non_blocking=True)
+            self.staged[j].record(current)
+            self.side.wait_event(self.staged[j])
+            with torch.cuda.stream(self.side):
+                dst[offset:offset + size].copy_(slot, non_blocking=True)
+            self.drained[j].record(self.side)
+        current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
+        if not capturing:
+            self.done.record(current)
+            self.last_stream = current
+
+
+class HostLink:
+    """A world of one that moves the bytes of a world of ``world_size`` over a host-staged link
+    (see the module docstring). ``bandwidth_gbps``: GB/s per direction; None is as fast as the
+    copy engines go (CUDA) or ``DEFAULT_CPU_GBPS`` (CPU). ``device``: the device whose tensors it
+    moves (None: the first tensor's). ``chunk_bytes``: the largest copy (a tuning knob; the pinned
+    ring holds ``RING_SLOTS`` of them). ``bytes_moved`` counts every byte sent so far."""
+
+    def __init__(
+        self,
+        world_size: int,
+        bandwidth_gbps: float | None = None,
+        *,
+        device: torch.device | str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if bandwidth_gbps is not None:
+            if isinstance(bandwidth_gbps, bool) or not isinstance(bandwidth_gbps, (int, float)):
+                raise TypeError(f"bandwidth_gbps must be a number or None, got {type(bandwidth_gbps).__name__}")
+            if not (math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
+                raise ValueError(f"bandwidth_gbps must be a positive number of GB/s, got {bandwidth_gbps!r}")
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < CHUNK_ALIGN:
+            raise ValueError(f"chunk_bytes must be an int >= {CHUNK_ALIGN}, got {chunk_bytes!r}")
+        self.world_size = world_size
+        self.bandwidth_gbps = None if bandwidth_gbps is None else float(bandwidth_gbps)
+        self.chunk_bytes = chunk_bytes
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None and self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"HostLink runs on cpu or cuda, got device {device!r}")
+        self.bytes_moved = 0
+        self._free_at = 0.0  # CPU: when the last queued transfer is done (time.monotonic())
+        self._cuda: _CudaStaging | None = None
+
+    def __repr__(self) -> str:
+        return f"HostLink(world_size={self.world_size}, bandwidth_gbps={self.bandwidth_gbps})"
+
+    def size(self) -> int:
+        """The world size models shard for (``dist.get_world_size`` of this group)."""
+        return self.world_size
+
+    def rank(self) -> int:
+        return 0
+
+    def prepare(self, device: torch.device | str | None = None) -> None:
+        """Allocate the pinned ring and side stream and calibrate, as the first collective would;
+        call it before capturing a graph that uses a link nothing has run over yet. A no-op on CPU."""
+        if device is None:
+            device = self.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._bind(torch.device(device), "prepare(device)")
+        if self.device.type == "cuda":
+            self._staging()
+
+    def describe(self) -> dict[str, Any]:
+        """The link for reports; every figure that uses it must say it is the stand-in."""
+        cpu = self.device is not None and self.device.type == "cpu"
+        if cpu:
+            reached, copy_gbps = self.bandwidth_gbps or DEFAULT_CPU_GBPS, None
+        elif self._cuda is not None:
+            reached, copy_gbps = self._cuda.reached_gbps, self._cuda.copy_model.gbps()
+        else:
+            reached = copy_gbps = None
+        return {
+            "kind": "host-link stand-in",
+            "world_size": self.world_size,
+            "bandwidth_set_gbps": self.bandwidth_gbps,
+            "bandwidth_reached_gbps": reached,
+            "copy_engine_gbps": copy_gbps,
+            "reached_at_bytes": None if cpu or copy_gbps is None else CALIBRATION_BYTES[-1],
+            "device": None if self.device is None else str(self.device),
+            "method": "cpu deadline, no data moved" if cpu else "pinned host round trip on the copy engines",
+        }
+
+    # --- collectives -------------------------------------------------------------------------
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> LinkWork | None:
+        """output = input; moves the rows addressed to the other W - 1 ranks. A world of one
+        receives what it sent, so the output splits must equal the input splits."""
+        op = "all_to_all_single"
+        self._check_pair(op, output, input, async_op)
+        if input.dim() == 0:
+            raise ValueError(f"{op} needs tensors with a first dimension, got a 0-dim input")
+        if output.shape != input.shape:
+            raise ValueError(f"{op} on a HostLink (a world of one) needs output.shape == input.shape, "
+                             f"got {tuple(output.shape)} and {tuple(input.shape)}")
+        rows = input.shape[0]
+        sent = self._splits(op, "input_split_sizes", input_split_sizes, rows)
+        received = self._splits(op, "output_split_sizes", output_split_sizes, rows)
+        if sent != received:
+            raise ValueError(f"{op} on a HostLink returns the input as the output, so output_split_sizes must "
+                             f"equal input_split_sizes, got {received} and {sent}")
+        own = sent[0] * (input.nbytes // rows if rows else 0)
+        return self._exchange(op, output, input, own, async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> LinkWork | None:
+        """The tensor unchanged (any reduction over one rank); moves 2(W-1)/W of it (a ring)."""
+        name = "all_reduce"
+        _check_tensor(name, "tensor", tensor)
+        _check_async(name, async_op)
+        _check_reduce_op(name, op)
+        self._bind(tensor.device, f"{name}'s tensor")
+        moved = 2 * (self.world_size - 1) * tensor.nbytes // self.world_size
+        if self._is_cpu():
+            return self._cpu_work(name, moved, async_op)
+        with torch.cuda.device(self.device):
+            data = _bytes(tensor)
+            self._staging().round_trip(data, data, moved)
+        return self._cuda_work(name, moved, async_op)
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> LinkWork | None:
+        """output = input (one rank's gather: equal sizes); moves (W-1)/W of the buffer."""
+        return self._one_rank_copy("all_gather_into_tensor", output, input, async_op)
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> LinkWork | None:
+        """output = input (one rank's scatter: equal sizes); moves (W-1)/W of the buffer."""
+        _check_reduce_op("reduce_scatter_tensor", op)
+        return self._one_rank_copy("reduce_scatter_tensor", output, input, async_op)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _one_rank_copy(self, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> LinkWork | None:
+        self._check_pair(op, output, input, async_op)
+        if output.numel() != input.numel():
+            raise ValueError(f"{op} on a HostLink (a world of one) needs equal sizes, "
+                             f"got {output.numel()} and {input.numel()} elements")
+        own = input.numel() // self.world_size * input.element_size()
+        return self._exchange(op, output, input, own, async_op)
+
+    def _exchange(
+        self, op: str, output: torch.Tensor, input: torch.Tensor, own: int, async_op: bool
+    ) -> LinkWork | None:
+        """output = input: ``own`` leading bytes copied on the device, the rest over the link."""
+        moved = input.nbytes - own
+        if self._is_cpu():
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input.view(output.shape))
+            return self._cpu_work(op, moved, async_op)
+        with torch.cuda.device(self.device):
+            src, dst = _bytes(input), _bytes(output)
+            if own and output.data_ptr() != input.data_ptr():
+                dst[:own].copy_(src[:own])
+            self._staging().round_trip(src[own:], dst[own:], moved)
+        return self._cuda_work(op, moved, async_op)
+
+    def _cpu_work(self, op: str, moved: int, async_op: bool) -> LinkWork | None:
+        seconds = moved / ((self.bandwidth_gbps or DEFAULT_CPU_GBPS) * 1e9)
+        self._free_at = max(time.monotonic(), self._free_at) + seconds
+        self.bytes_moved += moved
+        work = LinkWork(op, moved, seconds, self._free_at)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _cuda_work(self, op: str, moved: int, async_op: bool) -> LinkWork | None:
+        self.bytes_moved += moved
+        return LinkWork(op, moved, None, -math.inf) if async_op else None
+
+    def _staging(self) -> _CudaStaging:
+        if self._cuda is None:
+            with torch.cuda.device(self.device):
+                self._cuda = _CudaStaging(self.device, self.chunk_bytes, self.bandwidth_gbps)
+        return self._cuda
+
+    def _is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def _bind(self, device: torch.device, what: str) -> None:
+        """Fix the link's device at the first one seen; ValueError on any other."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise ValueError(f"HostLink is on {self.device}, got {what} on {device}")
+
+    def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> None:
+        _check_tensor(op, "output", output)
+        _check_tensor(op, "input", input)
+        _check_async(op, async_op)
+        self._bind(input.device, f"{op}'s input")
+        if output.device != input.device:
+            raise ValueError(f"{op}: output is on {output.device} and input on {input.device}")
+        if output.dtype != input.dtype:
+            raise TypeError(f"{op}: output and input dtypes differ ({output.dtype} and {input.dtype})")
+        a, b = output.data_ptr(), input.data_ptr()
+        same = a == b and output.nbytes == input.nbytes
+        if output.nbytes and input.nbytes and not same and a < b + input.nbytes and b < a + output.nbytes:
+            raise ValueError(f"{op}: output and input overlap in memory without being the same tensor")
+
+    def _splits(self, op: str, name: str, splits: Sequence[int] | None, rows: int) -> list[int]:
+        world = self.world_size
+        if splits is None:
+            if rows % world:
+                raise ValueError(f"{op} with no {name} needs dim 0 ({rows}) divisible by the world size ({world})")
+            return [rows // world] * world
+        if not isinstance(splits, (list, tuple)):
+            raise TypeError(f"{op}: {name} must be a list of ints or None, got {type(splits).__name__}")
+        splits = list(splits)
+        if len(splits) != world or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in splits):
+            raise ValueError(f"{op}: {name} must hold {world} ints >= 0 (one per rank), got {splits}")
+        if sum(splits) != rows:
+            raise ValueError(f"{op}: {name} {splits} sums to {sum(splits)}, not dim 0 ({rows})")
+        return splits
+
+
+def _check_tensor(op: str, name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def _check_async(op: str, async_op: Any) -> None:
+    if not isinstance(async_op, bool):
+        raise TypeError(f"{op}: async_op must be a bool, got {type(async_op).__name__}")
+
+
+def _check_reduce_op(op: str, reduce_op: Any) -> None:
+    if not any(reduce_op == known for known in _ONE_RANK_OPS):
+        raise ValueError(f"{op}: HostLink supports the reductions that are the identity over one rank "
+                         f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}")
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
