@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from ubatch import comm, set_forward_context, split_batch
 from ubatch.bench.workload import make_step
+from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
 from ubatch.wrapper import UBatchWrapper
 
@@ -103,3 +104,14 @@ def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
     _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
     first_layer = events[: events.index("shared") + 2]
     assert first_layer == ["start", "start", "shared", "wait"], events
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size):
+    """Over a host link each rank holds 1/W of the experts and moves a W-rank world's bytes; its
+    values are one rank's, the same in every mode."""
+    link = HostLink(world_size, bandwidth_gbps=50.0)
+    model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=link)
+    assert next(iter(model.moe_layers.values())).num_local_experts == 8 // world_size
+    check_modes_equal_unsplit(model, 3, [(1, 1), (1, 2), (2, 1), (2, 2)])
+    assert link.bytes_moved > 0

@@ -2,6 +2,7 @@
 
 import pytest
 
+from ubatch.bench.kernels import kernel_costs, kernels_in_trace
 from ubatch.bench.modes import Timing, auto_point, mode_rows, sweep_modes
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
@@ -78,3 +79,17 @@ def test_eager_sweep_reports_every_mode_against_the_same_runs_baseline_and_ideal
 def test_timing_spread():
     t = Timing.of([1.0, 2.0, 4.0])
     assert (t.median_ms, t.min_ms, t.max_ms, t.spread) == (2.0, 1.0, 4.0, 1.5)
+
+
+def test_the_link_stand_ins_copies_and_pacing_count_as_communication():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "spin_kernel(long)", "ts": 10.0, "dur": 4.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 14.0, "dur": 2.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 15.0, "dur": 2.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 16.0, "dur": 1.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 8.0},
+    ]}
+    kernels = kernels_in_trace(trace)
+    assert [k.name for k in kernels if k.is_comm] == ["spin_kernel(long)", "Memcpy DtoH (Device -> Pinned)",
+                                                       "Memcpy HtoD (Pinned -> Device)"]
+    assert kernel_costs(kernels) == pytest.approx((8.0 / 1e3, 7.0 / 1e3))

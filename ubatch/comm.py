@@ -23,14 +23,24 @@ import torch.distributed as dist
 
 from ubatch import scheduler
 from ubatch.islands import run_island
+from ubatch.link import is_link
 
 ReduceOp = dist.ReduceOp
 
 
 def _world_size(group: Any) -> int:
+    if is_link(group):
+        return group.size()
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
+
+
+def _call(op_name: str, group: Any, *args: Any, async_op: bool, **kwargs: Any) -> Any:
+    """torch.distributed's ``op_name`` over ``group``, or the link stand-in's method of that name."""
+    if is_link(group):
+        return getattr(group, op_name)(*args, async_op=async_op, **kwargs)
+    return getattr(dist, op_name)(*args, group=group, async_op=async_op, **kwargs)
 
 
 def _check_tensor(name: str, value: Any) -> None:
@@ -137,9 +147,8 @@ def all_to_all_single(
     _check_tensor("input", input)
 
     def launch(is_async: bool, group: Any) -> Any:
-        return dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=group, async_op=is_async
-        )
+        return _call("all_to_all_single", group, output, input, output_split_sizes, input_split_sizes,
+                     async_op=is_async)
 
     def local() -> None:
         if output.shape != input.shape:
@@ -164,7 +173,7 @@ def all_reduce(
     _check_tensor("tensor", tensor)
 
     def launch(is_async: bool, group: Any) -> Any:
-        return dist.all_reduce(tensor, op=op, group=group, async_op=is_async)
+        return _call("all_reduce", group, tensor, op=op, async_op=is_async)
 
     return _run("all_reduce", launch, lambda: None, group, async_op, timeout)
 
@@ -182,7 +191,7 @@ def all_gather_into_tensor(
     _check_tensor("input_tensor", input_tensor)
 
     def launch(is_async: bool, group: Any) -> Any:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=is_async)
+        return _call("all_gather_into_tensor", group, output_tensor, input_tensor, async_op=is_async)
 
     local = functools.partial(_local_copy, "all_gather_into_tensor", output_tensor, input_tensor)
     return _run("all_gather_into_tensor", launch, local, group, async_op, timeout)
@@ -202,7 +211,7 @@ def reduce_scatter_tensor(
     _check_tensor("input", input)
 
     def launch(is_async: bool, group: Any) -> Any:
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=is_async)
+        return _call("reduce_scatter_tensor", group, output, input, op=op, async_op=is_async)
 
     local = functools.partial(_local_copy, "reduce_scatter_tensor", output, input)
     return _run("reduce_scatter_tensor", launch, local, group, async_op, timeout)

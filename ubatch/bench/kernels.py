@@ -2,9 +2,10 @@
 
 No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing of a replay; the
 GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
-kernel compute. Copies and memsets are not kernels and count as neither. An NCCL kernel's time
-includes spinning until the other ranks arrive; gathered over the ranks, the kernels split it
-into transfer and waiting (``transfer_ms``).
+kernel compute. So are the link stand-in's (``ubatch.link``) copies between device and pinned
+host memory and its pacing sleeps (``spin_kernel``); other copies and memsets count as neither.
+An NCCL kernel's time includes spinning until the other ranks arrive; gathered over the ranks,
+the kernels split it into transfer and waiting (``transfer_ms``).
 """
 
 from __future__ import annotations
@@ -40,14 +41,21 @@ class Kernel:
 
     @property
     def is_comm(self) -> bool:
-        return "nccl" in self.name.lower()
+        name = self.name.lower()
+        return "nccl" in name or _is_link_activity(name)
+
+
+def _is_link_activity(name: str) -> bool:
+    return name.startswith("spin_kernel") or ("pinned" in name and ("dtoh" in name or "htod" in name))
 
 
 def kernels_in_trace(trace: dict[str, Any]) -> list[Kernel]:
     """The kernels of a Chrome trace that torch.profiler exported: its complete events ("ph"
-    "X") of category "kernel", in microseconds."""
+    "X") of category "kernel", and the link stand-in's host copies ("gpu_memcpy"), in
+    microseconds."""
     return [Kernel(e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
-            if e.get("cat") == "kernel" and e.get("ph") == "X"]
+            if e.get("ph") == "X" and (e.get("cat") == "kernel"
+                                       or (e.get("cat") == "gpu_memcpy" and _is_link_activity(e["name"].lower())))]
 
 
 def _intervals(kernels: Sequence[Kernel]) -> list[Interval]:

@@ -19,14 +19,18 @@ from torch import nn
 
 from ubatch import comm
 from ubatch.attention import Attention
+from ubatch.link import is_link
 from ubatch.models.config import ModelConfig
 from ubatch.models.swiglu import swiglu
 
 
 def group_rank_world(group: Any) -> tuple[int, int]:
-    """(rank, world size) within ``group``; (0, 1) when there is no group."""
+    """(rank, world size) within ``group``; (0, 1) when there is no group. A link stand-in
+    (``ubatch.link``) is rank 0 of its world size: the model shards as one rank of that world."""
     if group is None:
         return 0, 1
+    if is_link(group):
+        return group.rank(), group.size()
     return dist.get_rank(group), dist.get_world_size(group)
 
 
