@@ -29,6 +29,7 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
     env = report["environment"]
     assert env["torch"] and env["world_size"] == 2 and env["host_cores"] >= 1
     assert env["host_memory_gib"] > 0 and 0 < env["process_rss_gib"] < env["host_memory_gib"]
+    assert env["host_load_1m"] >= 0
     assert report["setup"] == {"preset": "tiny-moe", "kind": "moe", "num_layers": 2, "num_experts": 4,
                                "launched": "here"}
     assert report["results"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ubatch.bench.generation import DRAFTERS, format_generation_table
 from ubatch.bench.launch import run_on_local_ranks, under_torchrun
 from ubatch.bench.options import add_model_overrides, int_list, model_overrides, non_negative_int, positive_int
-from ubatch.bench.report import LEGEND, format_table, policy_sentence, row_note, run_summary
+from ubatch.bench.report import CPU_NOTE, LEGEND, format_table, policy_sentence, row_note, run_summary
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE
 from ubatch.bench.sweep import attention_backend, run, run_device
 from ubatch.models import PRESETS, ModelConfig
@@ -242,6 +242,8 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print(f"- {note}")
     if args.quick:
         print(LEGEND)
+        if report["environment"]["device"] == "cpu" and report["environment"]["world_size"] > 1:
+            print(CPU_NOTE)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,9 +19,9 @@ _GIB = 1 << 30
 
 
 def environment(device: torch.device, world: int, attention: AttentionBackend) -> dict[str, Any]:
-    """Where the figures come from: versions, device, ranks, and the host's cores and memory with
-    this process's resident memory when the report was made (another process on the cores, or
-    a host short of memory, shows in the timings)."""
+    """Where the figures come from: versions, device, ranks, and the host's cores, memory and load
+    average (this run's own ranks included) with this process's resident memory when the report
+    was made: another process on the cores, or a host short of memory, shows in the timings."""
     memory = psutil.virtual_memory()
     env = {
         "machine": platform.node(),
@@ -36,6 +36,7 @@ def environment(device: torch.device, world: int, attention: AttentionBackend) -
         "host_memory_gib": round(memory.total / _GIB, 2),
         "host_memory_available_gib": round(memory.available / _GIB, 2),
         "process_rss_gib": round(psutil.Process().memory_info().rss / _GIB, 3),
+        "host_load_1m": round(psutil.getloadavg()[0], 2),
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
     }
     if device.type == "cuda":
@@ -117,7 +118,8 @@ def row_note(row: dict[str, Any]) -> str:
         return f"{where}: {figure}: the split cost more than it hid, in every round"
     if low is not None and low > 1:
         return f"{where}: {figure} of an ideal {_num(ideal)}x: the split hid communication in every round"
-    return f"{where}: {figure}: within the spread of running whole (ideal {_num(ideal)}x)"
+    faster = "faster" if row["measured_speedup"] >= 1 else "slower"
+    return f"{where}: {figure}: {faster} at the median, but the rounds straddle 1x (ideal {_num(ideal)}x)"
 
 
 def policy_sentence(point: dict[str, Any], results: Sequence[dict[str, Any]]) -> str:
@@ -156,6 +158,9 @@ What the columns mean:
   effic.                 (speedup - 1) / (ideal - 1): the share of the ideal gain reached
   hidden                 the share of communication that ran while another ubatch computed"""
 
+CPU_NOTE = ("On a CPU, gloo moves the data on the same cores the ranks compute on, so what a split hides is "
+            "partly paid again: the ideal assumes communication costs no compute.")
+
 
 def run_summary(report: dict[str, Any]) -> str:
     """What the run measured, in one sentence."""
@@ -170,8 +175,8 @@ def run_summary(report: dict[str, Any]) -> str:
         parallel = "expert-parallel" if setup["kind"] == "moe" else "tensor-parallel"
         backend = "NCCL" if env["device"].startswith("cuda") else "gloo"
         ranks = f"{parallel} over {world} {backend} ranks {how}"
-    cores = f" on {env['host_cores']} CPU cores" if env["device"] == "cpu" else f" on {env['device']}"
+    cores = (f" on {env['host_cores']} CPU cores (load average {env['host_load_1m']:g}, this run included)"
+             if env["device"] == "cpu" else f" on {env['device']}")
     sizes = ", ".join(str(t) for t in dict.fromkeys(r["tokens_per_rank"] for r in rows))
-    rounds = rows[0]["repeats"] if rows else 0
-    return (f"{model} {ranks}{cores}: one {rows[0]['workload'] if rows else ''} step of {sizes} tokens per rank, "
-            f"{rounds} timed rounds")
+    return (f"{model} {ranks}{cores}: one {rows[0]['workload']} step of {sizes} tokens per rank, "
+            f"{rows[0]['repeats']} timed rounds")
