@@ -174,10 +174,9 @@ def test_bad_runner_arguments(tiny_runner):
         ([1.0, 2], 3, r"prompt token at index 0 must be an integer, got 1.0 \(float\)"),
         ([1, True], 3, r"prompt token at index 1 is a bool \(True\), not a token id"),
         ("abc", 3, r"prompt_token_ids must be a sequence of token ids, got str"),
-        ([1, 2], 2.0, r"max_new_tokens must be an integer >= 1, got 2.0 \(float\)"),
     ],
 )
-def test_ids_and_limits_of_the_wrong_type_are_type_errors(tiny_runner, prompt, max_new_tokens, match):
+def test_token_ids_of_the_wrong_type_are_type_errors(tiny_runner, prompt, max_new_tokens, match):
     with pytest.raises(TypeError, match=match):
         tiny_runner.add_request(prompt, max_new_tokens)
     assert not tiny_runner.has_unfinished_requests()
@@ -194,7 +193,6 @@ def test_token_ids_may_be_any_integer_type(tiny_runner):
     ("prompts", "max_new_tokens", "match"),
     [
         ([[1, 2]], 2.0, r"max_new_tokens must be an int or a list of ints \(one per prompt\), got 2.0 \(float\)"),
-        ([[1, 2]], [2.0], r"max_new_tokens must be an integer >= 1, got 2.0 \(float\)"),
         ([1, 2, 3], 2, r"prompts must be a list of token-id lists, but prompt 0 is 1 \(int\)"),
         ("hello", 2, r"prompts must be a list of token-id lists, got str"),
     ],
@@ -202,6 +200,13 @@ def test_token_ids_may_be_any_integer_type(tiny_runner):
 def test_generate_refuses_arguments_of_the_wrong_type(tiny_runner, prompts, max_new_tokens, match):
     with pytest.raises(TypeError, match=match):
         tiny_runner.generate(prompts, max_new_tokens)
+    assert not tiny_runner.has_unfinished_requests()
+
+
+def test_a_float_limit_per_request_is_refused_not_truncated(tiny_runner):
+    for call in (lambda: tiny_runner.add_request([1, 2], 2.0), lambda: tiny_runner.generate([[1, 2]], [2.0])):
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 2.0 \(float\)"):
+            call()
     assert not tiny_runner.has_unfinished_requests()
 
 

@@ -15,9 +15,9 @@ from ubatch.models import Decoder, ModelConfig
 
 
 def check_count(name: str, value: Any) -> None:
-    """TypeError unless ``value`` is an int (a bool or a float is not a count), ValueError unless >= 1."""
+    """ValueError unless ``value`` is an int >= 1 (a bool or a float is not a count)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
