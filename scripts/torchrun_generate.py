@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ubatch.bench import add_model_overrides, int_list, model_overrides
+from ubatch.bench.options import add_model_overrides, int_list, model_overrides
 from ubatch.bench.calibration import calibrated_policy
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model

@@ -3,36 +3,117 @@ and a timeline plot; --graphs refuses to run without CUDA; the kernel arithmetic
 hidden fraction and the comm stretch; the auto policy picks nothing for graph replays."""
 
 import json
-from argparse import Namespace
 
 import pytest
 import torch
 
-from ubatch.bench import _auto_policy, format_table, main, parse_args
+from ubatch.bench.auto import auto_policy_report
+from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import (Kernel, comm_durations_us, gathered_transfer_ms, hidden_kernel_fraction, kernel_costs,
                                   kernels_in_trace, transfer_ms)
+from ubatch.bench.measure import Measurement
+from ubatch.bench.report import format_table, plot_title, policy_sentence, row_note, speedup_text
 from ubatch.bench.schedule import schedule_estimates, step_ms
 
 
-def test_quick_run_writes_report_and_plot(tmp_path, capsys):
+def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_itself(tmp_path, capsys):
+    """The quick path as a user runs it: two gloo ranks started here, medians with their spread,
+    the policy's pick beside the measured best, and no speedup its own ideal rules out."""
+    import signal
+
     out, plot = tmp_path / "report.json", tmp_path / "timeline.png"
+    handler = signal.getsignal(signal.SIGINT)
     main(["--quick", "--device", "cpu", "--out", str(out), "--plot", str(plot)])
+    assert signal.getsignal(signal.SIGINT) is handler, "the launcher's signal handlers are not left behind"
     report = json.loads(out.read_text())
-    assert report["environment"]["torch"] and report["results"]
+    env = report["environment"]
+    assert env["torch"] and env["world_size"] == 2 and env["host_cores"] >= 1
+    assert env["host_memory_gib"] > 0 and 0 < env["process_rss_gib"] < env["host_memory_gib"]
+    assert env["host_load_1m"] >= 0
+    assert report["setup"] == {"preset": "tiny-moe", "kind": "moe", "num_layers": 2, "num_experts": 4,
+                               "launched": "here"}
+    assert report["results"]
     for r in report["results"]:
-        assert abs(r["speedup"] - r["baseline_ms"] / r["ubatched_ms"]) < 1e-2
-        assert r["ideal_speedup"] >= 1.0 and r["compute_ms"] > 0
-        assert r["graphs"] is False and r["eager_baseline_ms"] == r["baseline_ms"]
-        if r["comm_ms"] > 0:
-            assert abs(r["hideable_comm_fraction"] - min(r["compute_ms"], r["comm_ms"]) / r["comm_ms"]) < 1e-3
+        assert r["world_size"] == 2 and r["comm_ms"] > 0, "two EP ranks exchange tokens"
+        assert r["repeats"] == 15
+        assert r["baseline_min_ms"] <= r["baseline_ms"] <= r["baseline_max_ms"]
+        assert r["ubatched_min_ms"] <= r["ubatched_ms"] <= r["ubatched_max_ms"]
+        assert abs(r["measured_speedup"] - r["baseline_ms"] / r["ubatched_ms"]) < 1e-2
+        assert r["speedup_min"] <= r["measured_speedup"] <= r["speedup_max"]
+        ideal = (r["compute_ms"] + r["comm_ms"]) / max(r["compute_ms"], r["comm_ms"])
+        assert r["ideal_speedup"] == pytest.approx(ideal, abs=1e-3) and r["compute_ms"] > 0
+        assert r["ruled_out"] == (r["speedup_min"] > r["ideal_speedup"])
+        if r["ruled_out"]:
+            assert r["speedup"] is None and r["efficiency"] is None
         else:
-            assert r["hideable_comm_fraction"] is None
+            assert r["speedup"] == r["measured_speedup"]
+            assert r["speedup"] - r["ideal_speedup"] <= r["speedup"] - r["speedup_min"], "beyond its spread"
+        assert r["graphs"] is False and r["eager_baseline_ms"] == r["baseline_ms"]
+        assert abs(r["hideable_comm_fraction"] - min(r["compute_ms"], r["comm_ms"]) / r["comm_ms"]) < 1e-3
         assert r["comm_stretch"] is None and r["ubatched_comm_ms"] is None, "host-observed on CPU: not reported"
         assert r["schedule_model_ms"] == pytest.approx(
             step_ms(r["num_ubatches"], report["args"]["layers"] or 2, r["compute_ms"], r["comm_ms"], 0.2), abs=1e-3)
         assert r["schedule_model_stretched_ms"] is None, "no measured stretch, no stretched estimate"
+    (point,) = report["auto"]["points"]
+    assert point["tokens_per_rank"] == 256 and point["choice"] in (1, 2) and point["best"] in (1, 2)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
-    assert "speedup" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "expert-parallel over 2 gloo ranks started by this run" in printed
+    assert "speedup" in printed and "What the columns mean" in printed
+    assert f"measured best is {point['best']}" in printed
+    assert ("auto keeps the 256-token step whole" if point["choice"] == 1 else "auto splits the 256-token step in 2") \
+        in printed
+
+
+def _rows(baseline=(10.0, 10.5, 9.5), ubatched=(8.2, 8.0, 8.4)):
+    """A row as the bench reports it from these timed rounds, with an ideal of 1.25x (C 8, M 2)."""
+    import statistics
+
+    m = Measurement(statistics.median(baseline), statistics.median(ubatched), 8.0, 2.0, 0.5, [],
+                    eager_baseline_ms=statistics.median(baseline), baseline_samples_ms=baseline,
+                    ubatched_samples_ms=ubatched)
+    return {"tokens_per_rank": 256, "num_ubatches": 2, "world_size": 2, **m.as_dict()}
+
+
+def test_a_speedup_its_ideal_rules_out_is_flagged_not_reported():
+    plausible = _rows()
+    assert not plausible["ruled_out"] and plausible["speedup"] == pytest.approx(10.0 / 8.2, abs=1e-4)
+    assert plausible["speedup_min"] == pytest.approx(9.5 / 8.4, abs=1e-4)
+    assert plausible["speedup_min"] < plausible["ideal_speedup"] == 1.25
+    assert plausible["baseline_min_ms"] == 9.5 and plausible["ubatched_max_ms"] == 8.4 and plausible["repeats"] == 3
+    impossible = _rows((10.0, 10.2, 9.9), (6.0, 6.1, 5.9))  # 1.6x and more in every round, ideal 1.25x
+    assert impossible["ruled_out"] and impossible["speedup"] is None and impossible["efficiency"] is None
+    assert impossible["measured_speedup"] == pytest.approx(10.0 / 6.0, abs=1e-4), "the median ratio is kept apart"
+    table = format_table([plausible, impossible])
+    assert "ruled out" in table.splitlines()[2] and "1.22x (1.13-1.31)" in table.splitlines()[1]
+    assert "measurement error" in row_note(impossible) and "not a speedup" in row_note(impossible)
+    title = plot_title(impossible, preset="tiny-moe", workload="prefill", world=2, label="")
+    assert "ruled out by its ideal 1.25x" in title and "speedup" not in title
+    title = plot_title(plausible, preset="tiny-moe", workload="prefill", world=2, label="")
+    assert f"speedup {speedup_text(plausible)} of ideal 1.25x" in title and speedup_text(plausible) in table
+
+
+def test_policy_sentences_say_what_auto_picked_and_what_was_best():
+    one_process = {**_rows(), "comm_ms": 0.0}
+    whole = {"tokens_per_rank": 256, "choice": 1, "best": 1, "best_ms": 10.0, "auto_ms": 10.0, "auto_vs_best": 1.0}
+    assert policy_sentence(whole, [one_process]).startswith(
+        "auto keeps the 256-token step whole: nothing to hide (no communication); measured best is 1")
+    split = {**whole, "choice": 2, "best": 2, "best_ms": 8.2, "auto_ms": 8.2}
+    assert policy_sentence(split, [_rows()]) == "auto splits the 256-token step in 2: measured best is 2 (8.2 ms)"
+    missed = {**whole, "best": 2, "best_ms": 8.2}
+    assert policy_sentence(missed, [_rows()]) == (
+        "auto keeps the 256-token step whole: measured best is 2 (8.2 ms vs 10 ms for auto's pick)")
+
+
+def test_a_one_process_run_says_there_is_nothing_to_hide(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    main(["--quick", "--device", "cpu", "--nproc", "1", "--tokens", "64", "--repeats", "3", "--calibrate-tokens",
+          "16,64", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["setup"]["launched"] == "one process" and report["environment"]["world_size"] == 1
+    printed = capsys.readouterr().out
+    assert "in one process, so nothing is sent between ranks" in printed
+    assert "auto keeps the 64-token step whole: nothing to hide" in printed
 
 
 def test_mixed_workload_and_chrome_trace(tmp_path):
@@ -119,8 +200,6 @@ def test_transfer_is_gathered_over_the_ranks():
 
 
 def test_speedup_bound_is_the_longer_of_split_compute_and_transfer():
-    from ubatch.bench.measure import Measurement
-
     # unsplit 10 ms (C 6, M 4: ideal 1.667x); split compute busy 7 ms, its transfers 4.4 of 5 ms busy
     m = Measurement(10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0),
                     transfer_ms=(4.0, 4.4))
@@ -166,7 +245,8 @@ def test_auto_policy_for_graph_replays_picks_the_faster_graph_at_capture_time():
     def measure_at(*_):
         raise AssertionError("graph rows need no calibration")
 
-    auto = _auto_policy(Namespace(graphs=True, tokens=[64, 256]), results, measure_at, stages=4)
+    auto = auto_policy_report(results, measure_at, tokens=[64, 256], num_ubatches=[2, 3], calibrate_tokens=[],
+                              stages=4, graphs=True)
     assert "capture" in auto["note"]
     assert [(p["tokens_per_rank"], p["choice"], p["best"], p["auto_vs_best"]) for p in auto["points"]] == [
         (64, 1, 1, 1.0), (256, 3, 2, 0.8)], "a pick from the short timing may miss the measured best"
@@ -220,14 +300,14 @@ def test_dropped_share_is_summed_over_expert_parallel_ranks():
 
 
 def test_comm_stretch_is_the_ubatched_comm_busy_time_over_m():
-    from ubatch.bench.measure import Measurement, _device_busy_ms
+    from ubatch.bench.measure import device_busy_ms
     from ubatch.trace import Interval
 
     timeline = [Interval(0, "compute", "c", 0.0, 4.0), Interval(0, "comm", "a2a", 4.0, 7.0),
                 Interval(1, "compute", "c", 4.0, 8.0), Interval(1, "comm", "a2a", 6.5, 9.0)]
-    busy = _device_busy_ms(timeline, torch.device("cuda"))
+    busy = device_busy_ms(timeline, torch.device("cuda"))
     assert busy == (8.0, 5.0), "overlapping intervals of one kind count once"
-    assert _device_busy_ms(timeline, torch.device("cpu")) is None
+    assert device_busy_ms(timeline, torch.device("cpu")) is None
     m = Measurement(10.0, 6.0, 8.0, 4.0, 0.5, timeline, eager_baseline_ms=10.0, ubatched_busy_ms=busy)
     row = m.as_dict()
     assert row["comm_stretch"] == 1.25 and row["ubatched_comm_ms"] == 5.0 and row["ubatched_compute_ms"] == 8.0
@@ -320,3 +400,76 @@ def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
 
     assert faults("default") > 10_000
     assert faults("keep") < 1_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-len", "0"], "argument --prompt-len: expected a positive integer, got '0'"),
+    (["--context-len", "-1"], "argument --context-len: expected an integer >= 0, got '-1'"),
+    (["--repeats", "0"], "argument --repeats: expected a positive integer, got '0'"),
+    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
+    (["--warmup", "two"], "argument --warmup: expected an integer >= 0, got 'two'"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--preset", "tiny"], "preset 'tiny' is a dense model but --model moe was given"),
+    (["--num-experts", "1"], "--preset tiny-moe with these overrides: top_k must be in [1, num_experts=1], got 2"),
+    (["--quick", "--num-experts", "3"], "3 experts cannot be split evenly over 2 ranks"),
+    (["--tokens", "2", "--num-ubatches", "3"], "--tokens 2 cannot be split into 3 ubatches"),
+    (["--policy", "auto", "--calibrate-tokens", "64,64"], "--calibrate-tokens needs two or more different sizes"),
+    (["--workload", "generate", "--nproc", "2"], "--workload generate runs in one process"),
+    (["--out", "/nonexistent/report.json"], "--out '/nonexistent/report.json' cannot be written: No such file"),
+    (["--plot", "/nonexistent/plot.png"], "--plot '/nonexistent/plot.png' cannot be written: No such file"),
+    (["--chrome-trace", "/"], "--chrome-trace '/' is a directory, not a file"),
+])
+def test_bad_flags_end_in_a_usage_error_before_the_run(argv, message, capsys, monkeypatch):
+    import ubatch.bench.cli as cli
+
+    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ubatch-bench") and f"ubatch-bench: error: {message}" in err
+
+
+def test_plot_needs_matplotlib_before_the_run(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--plot", str(tmp_path / "timeline.png")])
+    assert "--plot needs matplotlib: pip install 'ubatch[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "timeline.png").exists(), "the write check leaves no file behind"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no GPU")
+def test_device_cuda_without_a_gpu_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda"])
+    assert "--device cuda was given, but torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_nproc_is_refused_under_torchrun(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(["--device", "cpu", "--quick"]).launched == "torchrun"
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--nproc", "2"])
+    assert "under torchrun, its --nproc-per-node decides" in capsys.readouterr().err
+
+
+def test_timed_rounds_run_each_call_once_and_take_turns_going_first():
+    from ubatch.bench.measure import interleaved_samples_ms
+
+    calls = []
+    samples = interleaved_samples_ms([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"),
+                                     warmup=1, repeats=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert [len(s) for s in samples] == [3, 3] and all(t >= 0 for s in samples for t in s)
+
+
+def test_the_console_script_names_the_cli_main():
+    from importlib import import_module
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    module, name = pyproject["project"]["scripts"]["ubatch-bench"].split(":")
+    assert getattr(import_module(module), name) is main

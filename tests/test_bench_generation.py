@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ubatch.bench import main
+from ubatch.bench.cli import main
 from ubatch.bench.generation import GenerationShape, generation_sweep, make_drafter
 from ubatch.models import ModelConfig, build_model
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ubatch.bench import main
+from ubatch.bench.cli import main
 from ubatch.bench.kernels import hidden_kernel_fraction, kernels_in_trace, profile_kernels
 
 

@@ -13,12 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
 from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
-from ubatch.runner import forward_sequences
 
 # ----- config ---------------------------------------------------------------------------------
 

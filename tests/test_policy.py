@@ -75,7 +75,7 @@ def test_threshold_fallback_and_validation():
 
 def test_replay_of_a_fresh_report_repeats_the_bench_s_own_picks(tmp_path):
     """The report keeps its calibration samples, so replaying it gives the picks the run made."""
-    from ubatch.bench import main
+    from ubatch.bench.cli import main
     from ubatch.bench.replay import replay
 
     out = tmp_path / "report.json"

@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
+from tests.reference import forward_sequences
 from ubatch.models import ModelConfig, build_model
-from ubatch.runner import Chunk, ModelRunner, forward_sequences
+from ubatch.runner import Chunk, ModelRunner
 
 PROMPT_LENGTHS = (3, 17, 40, 9, 1)
 
@@ -165,6 +166,72 @@ def test_bad_runner_arguments(tiny_runner):
     with pytest.raises(ValueError, match="this runner has no cudagraph_capture_sizes"):
         tiny_runner.capture_graphs()
 
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new_tokens", "match"),
+    [
+        ([1.0, 2], 3, r"prompt token at index 0 must be an integer, got 1.0 \(float\)"),
+        ([1, True], 3, r"prompt token at index 1 is a bool \(True\), not a token id"),
+        ("abc", 3, r"prompt_token_ids must be a sequence of token ids, got str"),
+    ],
+)
+def test_token_ids_of_the_wrong_type_are_type_errors(tiny_runner, prompt, max_new_tokens, match):
+    with pytest.raises(TypeError, match=match):
+        tiny_runner.add_request(prompt, max_new_tokens)
+    assert not tiny_runner.has_unfinished_requests()
+
+
+def test_token_ids_may_be_any_integer_type(tiny_runner):
+    import numpy as np
+
+    (output,) = tiny_runner.generate([[np.int64(3), torch.tensor(4), 5]], 2)
+    assert output == tiny_runner.generate([[3, 4, 5]], 2)[0]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_new_tokens", "match"),
+    [
+        ([[1, 2]], 2.0, r"max_new_tokens must be an int or a list of ints \(one per prompt\), got 2.0 \(float\)"),
+        ([1, 2, 3], 2, r"prompts must be a list of token-id lists, but prompt 0 is 1 \(int\)"),
+        ("hello", 2, r"prompts must be a list of token-id lists, got str"),
+    ],
+)
+def test_generate_refuses_arguments_of_the_wrong_type(tiny_runner, prompts, max_new_tokens, match):
+    with pytest.raises(TypeError, match=match):
+        tiny_runner.generate(prompts, max_new_tokens)
+    assert not tiny_runner.has_unfinished_requests()
+
+
+def test_a_float_limit_per_request_is_refused_not_truncated(tiny_runner):
+    for call in (lambda: tiny_runner.add_request([1, 2], 2.0), lambda: tiny_runner.generate([[1, 2]], [2.0])):
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 2.0 \(float\)"):
+            call()
+    assert not tiny_runner.has_unfinished_requests()
+
+
+def test_max_model_len_bounds_every_request_without_graphs():
+    config = ModelConfig.preset("tiny")
+    runner = ModelRunner(build_model(config, device="cpu"), config, device="cpu", num_kv_blocks=8, block_size=4,
+                         max_model_len=10)
+    with pytest.raises(ValueError, match=r"request too long for max_model_len=10: prompt of 8 tokens \+ "
+                                         r"max_new_tokens=3"):
+        runner.add_request([1] * 8, 3)
+    assert len(runner.generate([[1] * 8], 2)[0]) == 2
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer >= 1, got 0"):
+        ModelRunner(runner.model, config, device="cpu", num_kv_blocks=8, max_model_len=0)
+
+
+def test_a_model_whose_vocabulary_differs_from_its_config_is_refused():
+    config = ModelConfig.preset("tiny")
+    model = build_model(config, device="cpu")
+    with pytest.raises(ValueError, match=r"vocabulary does not match its config: config.vocab_size=256, "
+                                         r"model.config.vocab_size=128, the model's embed rows=128"):
+        ModelRunner(model, config.replace(vocab_size=256), device="cpu", num_kv_blocks=8)
+    model.config = config.replace(vocab_size=256)  # a config that no longer describes the weights
+    with pytest.raises(ValueError, match=r"model.config.vocab_size=256, the model's embed rows=128, "
+                                         r"the model's lm_head rows=128"):
+        ModelRunner(model, model.config, device="cpu", num_kv_blocks=8)
 
 # ----- CUDA (run on the GPU machine) ----------------------------------------------------------
 

@@ -1,3 +1,3 @@
-from ubatch.bench import main
+from ubatch.bench.cli import main
 
 main()

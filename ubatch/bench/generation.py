@@ -64,8 +64,10 @@ def make_drafter(kind: str, model: Decoder, config: ModelConfig) -> Decoder:
     raise ValueError(f"unknown drafter {kind!r}; known: {', '.join(DRAFTERS)}")
 
 
-def _runner(model: Decoder, config: ModelConfig, shape: GenerationShape, *, graphs: bool,
-            capture_sizes: Sequence[int], num_ubatches: int, drafter: Decoder | None, k: int) -> ModelRunner:
+def generation_runner(model: Decoder, config: ModelConfig, shape: GenerationShape, *, graphs: bool,
+                      capture_sizes: Sequence[int], num_ubatches: int, drafter: Decoder | None, k: int) -> ModelRunner:
+    """The runner one timed generation of ``shape`` uses: KV room for every request at once, a
+    step budget of the largest capture size."""
     block_size = 16
     max_model_len = shape.prompt_len + shape.max_new_tokens + k
     blocks_per_req = -(-max_model_len // block_size)
@@ -85,8 +87,8 @@ def time_generation(model: Decoder, config: ModelConfig, shape: GenerationShape,
     The warm-up meets every shape the timed run will: cuDNN's SDPA (what the torch backend gets
     on an H200) builds a plan per new shape, 34-55 ms each, so an eager row timed cold measured
     plan building and depended on which rows ran before it."""
-    runner = _runner(model, config, shape, graphs=graphs, capture_sizes=capture_sizes, num_ubatches=num_ubatches,
-                     drafter=drafter, k=k)
+    runner = generation_runner(model, config, shape, graphs=graphs, capture_sizes=capture_sizes,
+                               num_ubatches=num_ubatches, drafter=drafter, k=k)
     if graphs:
         runner.capture_graphs()
     prompts = shape.prompts(config.vocab_size)

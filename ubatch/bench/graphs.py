@@ -5,7 +5,8 @@ step replayed from graphs. Per configuration (T tokens per rank, N ubatches) a `
 captures T tokens unsplit and in N ubatches: FULL graphs for decode (uniform, one token per
 request), PIECEWISE for prefill and mixed steps. Then, for one step:
 
-- ``baseline_ms`` and ``ubatched_ms``: replays of the unsplit and of the N-ubatch graph;
+- ``baseline_ms`` and ``ubatched_ms``: replays of the unsplit and of the N-ubatch graph, timed in
+  shared rounds (medians, with the spread beside them, as in ``ubatch.bench.measure``);
 - ``eager_baseline_ms``: the unsplit step run eagerly, so the graphs' own gain shows;
 - ``compute_ms`` and ``comm_ms`` (and the ideal): how long compute and NCCL kernels were busy
   in one replay of the unsplit graph, from the kernels torch.profiler records
@@ -26,13 +27,14 @@ that captured one of its collectives is alive.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ubatch.bench.kernels import gathered_transfer_ms, hidden_kernel_fraction, kernel_costs, profile_kernels
-from ubatch.bench.measure import Measurement, median_ms, unsplit_call
+from ubatch.bench.measure import Measurement, interleaved_samples_ms, median_ms, unsplit_call
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode
 from ubatch.graphed import GraphedModel, uniform_token_count
@@ -53,17 +55,19 @@ def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraph
         baseline, ubatched = (replay_call(graphed, step, n, mode) for n in (1, num_ubatches))
         capture_time_ms = {n: median_ms(fn, device, warmup=1, repeats=3)
                            for n, fn in ((1, baseline), (num_ubatches, ubatched))}
-        baseline_ms = median_ms(baseline, device, warmup=warmup, repeats=repeats)
-        ubatched_ms = median_ms(ubatched, device, warmup=warmup, repeats=repeats)
+        baseline_samples, ubatched_samples = interleaved_samples_ms([baseline, ubatched], device, warmup=warmup,
+                                                                    repeats=repeats)
         baseline_kernels = profile_kernels(baseline, device)
         kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
     finally:
         graphed.release()
     compute_ms, comm_ms = kernel_costs(baseline_kernels)
     transfer = gathered_transfer_ms(baseline_kernels), gathered_transfer_ms(kernels)
-    return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_kernel_fraction(kernels), [],
-                       eager_baseline_ms=eager_baseline_ms, graphs=True, capture_time_ms=capture_time_ms,
-                       ubatched_busy_ms=kernel_costs(kernels), transfer_ms=None if None in transfer else transfer)
+    return Measurement(statistics.median(baseline_samples), statistics.median(ubatched_samples), compute_ms, comm_ms,
+                       hidden_kernel_fraction(kernels), [], eager_baseline_ms=eager_baseline_ms, graphs=True,
+                       capture_time_ms=capture_time_ms, ubatched_busy_ms=kernel_costs(kernels),
+                       transfer_ms=None if None in transfer else transfer, baseline_samples_ms=baseline_samples,
+                       ubatched_samples_ms=ubatched_samples)
 
 
 def _blocks_per_request(model: Any, step: Step) -> int:

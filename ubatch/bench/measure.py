@@ -1,10 +1,13 @@
 """Time one configuration: unsplit baseline, ubatched, and the serial compute / comm split.
 
-Every figure of a result comes from the same process and run. The compute and communication
-times come from a traced single-ubatch run (the same kernels, strictly serial: each collective
-waits for the compute before it and the compute after it waits for the collective), so the ideal
-speedup (C+M)/max(C,M) is measured, not modelled. ``ubatch.bench.graphs`` times graph replays of
-the same step, with ``unsplit_call`` for its eager baseline.
+Every figure of a result comes from the same process and run. The unsplit and the ubatched step
+are timed in shared rounds (each round runs both), so a result carries their medians and the
+spread of the speedup over the rounds. The compute and communication times come from traced
+single-ubatch runs (the same kernels, strictly serial: each collective waits for the compute
+before it and the compute after it waits for the collective; the median of three), so the ideal
+speedup (C+M)/max(C,M) is measured, not modelled. A speedup that beats that ideal in every round
+is a measurement error and is reported as ruled out, not as a speedup. ``ubatch.bench.graphs``
+times graph replays of the same step, with ``unsplit_call`` for its eager baseline.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import ctypes
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,16 +62,28 @@ def drain(device: torch.device) -> None:
 
 def median_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs, the device drained around each run."""
+    (samples,) = interleaved_samples_ms([fn], device, warmup=warmup, repeats=repeats)
+    return statistics.median(samples)
+
+
+def interleaved_samples_ms(fns: Sequence[Callable[[], Any]], device: torch.device, *, warmup: int,
+                           repeats: int) -> list[list[float]]:
+    """Wall times (ms) of each of ``fns`` over ``repeats`` rounds, one run of each per round (in
+    turn first) and the device drained around every run: whatever else loads the machine
+    meanwhile falls on all of them alike, so the ratio of two runs of one round is a fair sample
+    of their ratio."""
     for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        drain(device)
-        t0 = time.perf_counter()
-        fn()
-        drain(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for round_ in range(repeats):
+        for i in (round_ + k for k in range(len(fns))):
+            drain(device)
+            t0 = time.perf_counter()
+            fns[i % len(fns)]()
+            drain(device)
+            samples[i % len(fns)].append((time.perf_counter() - t0) * 1e3)
+    return samples
 
 
 @dataclass
@@ -87,6 +102,8 @@ class Measurement:
     capture_time_ms: dict[int, float] | None = None
     ubatched_busy_ms: tuple[float, float] | None = None  # (compute, comm) busy in one ubatched step
     transfer_ms: tuple[float, float] | None = None  # NCCL time less waiting, (unsplit, ubatched)
+    baseline_samples_ms: Sequence[float] = ()  # every timed repeat, in rounds shared with the ubatched ones
+    ubatched_samples_ms: Sequence[float] = ()
 
     def calibration_sample(self) -> dict[str, float]:
         """What ``ubatch.policy.calibrate_from_samples`` reads of a two-ubatch measurement."""
@@ -95,7 +112,25 @@ class Measurement:
 
     @property
     def speedup(self) -> float:
+        """The measured ratio of the medians, unsplit over ubatched (see ``ruled_out``)."""
         return self.baseline_ms / self.ubatched_ms
+
+    @property
+    def speedup_range(self) -> tuple[float, float] | None:
+        """(lowest, highest) speedup over the timed rounds, each round's unsplit time over its
+        ubatched one (the median's ratio included); None without the samples."""
+        if not self.baseline_samples_ms or not self.ubatched_samples_ms:
+            return None
+        ratios = [b / u for b, u in zip(self.baseline_samples_ms, self.ubatched_samples_ms)] + [self.speedup]
+        return min(ratios), max(ratios)
+
+    @property
+    def ruled_out(self) -> bool:
+        """The speedup beats the ideal by more than its measured spread: in every round the
+        split ran faster than perfect overlap of this run's own C and M allows. Then the figure
+        is a measurement error (noise, a skewed baseline), not a speedup, and is not reported."""
+        spread = self.speedup_range
+        return spread is not None and spread[0] > self.ideal_speedup * (1 + 1e-9)
 
     @property
     def ideal_speedup(self) -> float:
@@ -139,7 +174,7 @@ class Measurement:
 
     @property
     def efficiency(self) -> float | None:
-        return self._efficiency_of(self.speedup)
+        return None if self.ruled_out else self._efficiency_of(self.speedup)
 
     @property
     def efficiency_bound(self) -> float | None:
@@ -150,10 +185,18 @@ class Measurement:
     def as_dict(self) -> dict[str, Any]:
         ubatched_busy = self.ubatched_busy_ms or (None, None)
         transfer = self.transfer_ms or (None, None)
+        spread = self.speedup_range or (None, None)
         figures = {
             "baseline_ms": self.baseline_ms,
             "ubatched_ms": self.ubatched_ms,
-            "speedup": self.speedup,
+            "baseline_min_ms": min(self.baseline_samples_ms, default=None),
+            "baseline_max_ms": max(self.baseline_samples_ms, default=None),
+            "ubatched_min_ms": min(self.ubatched_samples_ms, default=None),
+            "ubatched_max_ms": max(self.ubatched_samples_ms, default=None),
+            "speedup": None if self.ruled_out else self.speedup,
+            "measured_speedup": self.speedup,
+            "speedup_min": spread[0],
+            "speedup_max": spread[1],
             "eager_baseline_ms": self.eager_baseline_ms,
             "compute_ms": self.compute_ms,
             "comm_ms": self.comm_ms,
@@ -172,6 +215,8 @@ class Measurement:
         }
         return {
             "graphs": self.graphs,
+            "repeats": len(self.baseline_samples_ms),
+            "ruled_out": self.ruled_out,
             **{name: None if value is None else round(value, 4) for name, value in figures.items()},
             "capture_time_ms": None if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
@@ -222,11 +267,11 @@ class EagerRuns:
         return self._run(None, lambda: self.serial_scheduler.run(
             [lambda: self.model(self.step.input_ids, self.step.positions)]))
 
-    def serial_costs(self) -> tuple[float, float]:
-        """(compute ms, comm ms) of the traced serial run."""
-        trace = self.traced(self.serial, self.serial_scheduler)
-        return (sum(i.duration_ms for i in trace if i.kind == "compute"),
-                sum(i.duration_ms for i in trace if i.kind == "comm"))
+    def serial_costs(self, runs: int = 3) -> tuple[float, float]:
+        """(compute ms, comm ms): the medians over ``runs`` traced serial runs."""
+        traces = [self.traced(self.serial, self.serial_scheduler) for _ in range(runs)]
+        return (statistics.median(sum(i.duration_ms for i in t if i.kind == "compute") for t in traces),
+                statistics.median(sum(i.duration_ms for i in t if i.kind == "comm") for t in traces))
 
     def traced(self, fn: Callable[[], Any], scheduler: UbatchScheduler | None = None) -> list[Interval]:
         """``scheduler``'s (default: the wrapper's) timeline of one call of ``fn``, after an
@@ -244,17 +289,20 @@ class EagerRuns:
 
 def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int,
             sm_partition: Any = None) -> Measurement:
-    """Baseline, ubatched and serial-traced timings of one step shape, all eager."""
+    """Baseline and ubatched timings of one step shape in shared rounds, and the serial-traced
+    compute and communication, all eager."""
     runs = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
-    baseline_ms = median_ms(runs.baseline, runs.device, warmup=warmup, repeats=repeats)
-    ubatched_ms = median_ms(runs.ubatched, runs.device, warmup=warmup, repeats=repeats)
+    baseline, ubatched = interleaved_samples_ms([runs.baseline, runs.ubatched], runs.device, warmup=warmup,
+                                                repeats=repeats)
+    baseline_ms = statistics.median(baseline)
     compute_ms, comm_ms = runs.serial_costs()
     timeline = runs.traced(runs.ubatched)
-    return Measurement(baseline_ms, ubatched_ms, compute_ms, comm_ms, hidden_comm_fraction(timeline), timeline,
-                       eager_baseline_ms=baseline_ms, ubatched_busy_ms=_device_busy_ms(timeline, runs.device))
+    return Measurement(baseline_ms, statistics.median(ubatched), compute_ms, comm_ms, hidden_comm_fraction(timeline),
+                       timeline, eager_baseline_ms=baseline_ms, ubatched_busy_ms=device_busy_ms(timeline, runs.device),
+                       baseline_samples_ms=baseline, ubatched_samples_ms=ubatched)
 
 
-def _device_busy_ms(timeline: list[Interval], device: torch.device) -> tuple[float, float] | None:
+def device_busy_ms(timeline: list[Interval], device: torch.device) -> tuple[float, float] | None:
     """(compute, comm) busy in a traced step, from CUDA events; None on CPU, where a collective's
     interval is host-observed and includes the time its ubatch sat parked."""
     if device.type != "cuda":

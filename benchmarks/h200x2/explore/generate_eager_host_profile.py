@@ -1,6 +1,6 @@
 """Host profile of eager generation: plain vs truncated-drafter k=2 (dense-bench, 1 GPU)."""
 import cProfile, io, pstats, sys, time, torch
-from ubatch.bench.generation import GenerationShape, capture_sizes_for, make_drafter, _runner
+from ubatch.bench.generation import GenerationShape, capture_sizes_for, generation_runner, make_drafter
 from ubatch.models import ModelConfig, build_model
 dev = torch.device("cuda", 0)
 cfg = ModelConfig.preset("dense-bench")
@@ -9,7 +9,7 @@ shape = GenerationShape(32, 128, 64)
 sizes = capture_sizes_for(shape, 4)
 prompts = shape.prompts(cfg.vocab_size)
 for label, drafter, k in [("plain", None, 0), ("truncated2", make_drafter("truncated", model, cfg), 2), ("plain-again", None, 0)]:
-    r = _runner(model, cfg, shape, graphs=False, capture_sizes=sizes, num_ubatches=1, drafter=drafter, k=k)
+    r = generation_runner(model, cfg, shape, graphs=False, capture_sizes=sizes, num_ubatches=1, drafter=drafter, k=k)
     r.generate(prompts, 4)
     torch.cuda.synchronize()
     steps = [0]

@@ -11,7 +11,8 @@ import weakref
 import torch.distributed as dist
 
 import ubatch.bench.graphs as bench_graphs
-from ubatch.bench import parse_args, run
+from ubatch.bench.cli import parse_args
+from ubatch.bench.sweep import run
 
 
 def main(mode):

@@ -1,25 +1,16 @@
-"""ModelRunner: requests -> flattened batches, paged KV blocks, attention metadata, greedy steps.
+"""ModelRunner: greedy generation for one model on one rank, step by step.
 
-A step is schedule -> build inputs -> execute -> sample -> update, each its own method. With
+A step is schedule (``RequestScheduler``) -> propose drafts -> agree with the other DP ranks ->
+build inputs -> execute -> sample -> update, each its own method. With
 ``cudagraph_capture_sizes`` (after ``capture_graphs()``) a step replays a captured graph where one
 fits (FULL for decode steps, unsplit or ubatched; PIECEWISE for the rest); otherwise the eager
 model call sits behind ``execute_model`` alone.
 
-Scheduling: decodes first (arrival order), then prefill chunks in arrival order under the token
-budget; a prompt longer than the remaining budget is split across steps (chunked-prefill
-continuation). KV memory: a prefill that finds no free block waits (and so does every later
-prefill: first come, first served); a running request that needs a block when none is free
-preempts the most recently arrived request holding blocks, possibly itself, by recompute: its
-blocks are freed and its prompt plus the tokens generated so far are prefilled again later.
-When nothing at all could be scheduled, the most recently arrived block holder is preempted the
-same way, so the earliest request always makes progress.
-
 Speculative decoding (``draft_model`` and ``num_speculative_tokens`` k): each decoding request
 is scheduled with room for k more tokens, a ``DraftModel`` proposes them, and the target
 verifies all k + 1 positions in the one step (prefill chunks may share it); greedy acceptance
-keeps the output exactly the target's own greedy decoding. Near its ``max_new_tokens`` (or
-the step's token budget) a request drafts fewer. Ubatched verification splits on request
-boundaries, so every request's k + 1 tokens stay in one ubatch.
+keeps the output exactly the target's own greedy decoding. Ubatched verification splits on
+request boundaries, so every request's k + 1 tokens stay in one ubatch.
 
 Data parallelism (``dp_group``): every rank has its own runner and schedules its own requests;
 every step every rank, idle ones too, agrees with the others through
@@ -33,113 +24,28 @@ the model) stay matched across ranks.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ubatch.attention import BlockPool, PagedKVCache, build_attention_metadata
+from ubatch.attention import PagedKVCache
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.policy import SplitPolicy
+from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_batch_inputs
+from ubatch.runner.checks import (check_count, check_dp_covers_ep, check_vocab, checked_prompt, is_local,
+                                  per_prompt_limits)
+from ubatch.runner.scheduling import RequestScheduler
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
 from ubatch.spec import DraftModel, DraftRequest, SpecStats, accept_greedy
 from ubatch.wrapper import UBatchWrapper
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    """One generation request; ``token_ids`` is the prompt followed by the generated tokens, and
-    the first ``num_computed`` of them have their KV in ``blocks``."""
-
-    request_id: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    max_new_tokens: int
-    num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_decoding(self) -> bool:
-        """Prompt fully computed: the one pending token is the last generated one."""
-        return self.num_computed >= self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.num_tokens - self.num_prompt_tokens >= self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start``, scheduled this step,
-    then (speculative decoding) the ``draft_token_ids`` proposed for them; the scheduler reserved
-    KV room for ``num_drafts`` of those."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    num_drafts: int = 0
-    draft_token_ids: tuple[int, ...] = ()
-
-    @property
-    def reaches_end(self) -> bool:
-        """The chunk ends at the request's last token, so the step samples a new one."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-    @property
-    def query_len(self) -> int:
-        """Tokens the chunk puts in the batch, drafts included."""
-        return self.num_tokens + len(self.draft_token_ids)
-
-    @property
-    def input_ids(self) -> list[int]:
-        return self.request.token_ids[self.start:self.start + self.num_tokens] + list(self.draft_token_ids)
-
-
-@dataclass
-class BatchInputs:
-    """Device inputs of one step, the per-layer metadata dicts and where to read logits."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: dict[str, Any]
-    slot_mapping: dict[str, torch.Tensor]
-    logits_indices: torch.Tensor
-    num_tokens: int
-
-
-@dataclass
-class StepOutput:
-    """Tokens sampled this step (request id -> the last token; ``new_token_ids``: every token
-    appended, more than one after accepted drafts), the requests that finished (request id ->
-    all generated tokens), the token count every DP rank ran (padding included; all zero when
-    no rank had work, which is how ``generate`` knows every rank is done) and this step's
-    proposed and accepted draft tokens."""
-
-    new_tokens: dict[int, int] = field(default_factory=dict)
-    finished: dict[int, list[int]] = field(default_factory=dict)
-    num_tokens_across_dp: list[int] = field(default_factory=list)
-    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 class ModelRunner:
@@ -152,9 +58,10 @@ class ModelRunner:
     every DP rank must run the same ``num_ubatches``. ``dp_group`` makes this runner one data-parallel rank of that
     group (see the module docstring); ``timeout_s`` bounds the per-step vote and every wait
     inside a ubatch, so a peer that fails or hangs surfaces as an error, not a hang.
-    ``draft_model`` with ``num_speculative_tokens`` turns on speculative decoding (with graphs
-    the drafter captures its own; with ``dp_group`` it must run locally); ``spec_stats`` counts
-    proposed and accepted drafts.
+    ``max_model_len`` (default: the whole cache) bounds every request's prompt plus
+    ``max_new_tokens``. ``draft_model`` with ``num_speculative_tokens`` turns on speculative
+    decoding (with graphs the drafter captures its own; with ``dp_group`` it must run locally);
+    ``spec_stats`` counts proposed and accepted drafts.
     """
 
     def __init__(
@@ -179,14 +86,16 @@ class ModelRunner:
         for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_num_seqs", max_num_seqs), ("num_ubatches", num_ubatches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_count(name, value)
+        if max_model_len is not None:
+            check_count("max_model_len", max_model_len)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
             raise TypeError(f"split_policy must have a decide(num_tokens) method, got {split_policy!r}")
         if split_policy is not None and num_ubatches < 2:
             raise ValueError(f"split_policy needs num_ubatches >= 2, got {num_ubatches}")
+        check_vocab(model, config)
         self.model = model
         self.config = config
         self.device = _resolved(torch.device(device))
@@ -197,9 +106,6 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                                      dtype=config.dtype, device=self.device)
-        self.block_pool = BlockPool(num_kv_blocks)
-        self._active: list[Request] = []
-        self._next_id = 0
         self.num_ubatches = num_ubatches
         self.split_policy = split_policy
         self.runnable = (UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
@@ -210,7 +116,16 @@ class ModelRunner:
         self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
         self.num_speculative_tokens = num_speculative_tokens or 0
         self.spec_stats = SpecStats()
+        self.scheduler = RequestScheduler(
+            num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, num_speculative_tokens=self.num_speculative_tokens,
+        )
         self.graphs = self._make_graphs(cudagraph_capture_sizes)
+
+    @property
+    def block_pool(self) -> Any:
+        """The KV block free list (the scheduler's)."""
+        return self.scheduler.block_pool
 
     def _make_drafter(self, draft_model: Decoder | None, k: int | None,
                       capture_sizes: Sequence[int] | None) -> DraftModel | None:
@@ -224,8 +139,7 @@ class ModelRunner:
                 f"draft_model={'None' if draft_model is None else type(draft_model).__name__}, "
                 f"num_speculative_tokens={k!r}"
             )
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        check_count("num_speculative_tokens", k)
         if draft_model.config.vocab_size != self.config.vocab_size:
             raise ValueError(
                 f"the draft model's vocab_size={draft_model.config.vocab_size} differs from the "
@@ -233,7 +147,7 @@ class ModelRunner:
             )
         if draft_model.device != self.device:
             raise ValueError(f"the draft model is on {draft_model.device}, the runner on {self.device}")
-        if self._dp_group is not None and not _is_local(draft_model):
+        if self._dp_group is not None and not is_local(draft_model):
             raise ValueError(
                 "with dp_group the draft model must run locally on each rank (no tp_group or "
                 "ep_group): ranks draft different numbers of steps, so its collectives would not match"
@@ -255,7 +169,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
         per_request = 1 + self.num_speculative_tokens
-        return GraphedModel(self.model, capture_sizes=sizes_with_multiples(capture_sizes, [per_request]), max_blocks_per_req=self._max_blocks_per_req,
+        return GraphedModel(self.model, capture_sizes=sizes_with_multiples(capture_sizes, [per_request]),
+                            max_blocks_per_req=self._max_blocks_per_req,
                             ubatch_counts=sorted({1, self.num_ubatches}), uniform_token_count=per_request)
 
     def capture_graphs(self) -> None:
@@ -273,9 +188,8 @@ class ModelRunner:
         each kernel variant it meets (2-4 s apiece on an H200), cuDNN builds a plan per shape.
         Captured graphs are warmed by ``capture_graphs``. In data parallelism call it on every
         rank. The runner is left idle, every KV block free and ``spec_stats`` zeroed."""
-        for name, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_count("num_requests", num_requests)
+        check_count("max_new_tokens", max_new_tokens)
         longest = min(self.max_num_batched_tokens, self.max_model_len - max_new_tokens,
                       self.num_kv_blocks * self.block_size - max_new_tokens)
         if longest < 1:
@@ -307,7 +221,7 @@ class ModelRunner:
                 f"rank runs every step with the same token count"
             )
         if dp_group is not None:
-            _check_dp_covers_ep(dp_group, getattr(self.model, "moe_layers", {}).values())
+            check_dp_covers_ep(dp_group, getattr(self.model, "moe_layers", {}).values())
         self._dp_group = None if dp_group is None else dp_cpu_group(dp_group, timeout_s=timeout_s)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -322,37 +236,21 @@ class ModelRunner:
     # ----- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a request and return its id; ValueError (and nothing queued) on bad input."""
+        """Queue a request and return its id; ValueError / TypeError (and nothing queued) on bad input."""
         prompt = self._validate(prompt_token_ids, max_new_tokens)
-        request = Request(self._next_id, prompt, len(prompt), max_new_tokens)
-        self._next_id += 1
-        self._active.append(request)
-        return request.request_id
+        return self.scheduler.add(prompt, max_new_tokens).request_id
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._active)
+        return bool(self.scheduler.requests)
 
     def _validate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
-        vocab = self.config.vocab_size
-        for i, token in enumerate(prompt):
-            if not 0 <= token < vocab:
-                raise ValueError(f"prompt token {token} at index {i} is out of range [0, {vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.graphs is not None and len(prompt) + max_new_tokens > self.max_model_len:
+        prompt = checked_prompt(prompt_token_ids, self.config.vocab_size)
+        check_count("max_new_tokens", max_new_tokens)
+        self.scheduler.check_fits(len(prompt), max_new_tokens)
+        if len(prompt) + max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"request too long for max_model_len={self.max_model_len}: prompt of {len(prompt)} tokens + "
                 f"max_new_tokens={max_new_tokens}"
-            )
-        blocks = math.ceil((len(prompt) + max_new_tokens) / self.block_size)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"request too long for the KV cache: prompt of {len(prompt)} tokens + max_new_tokens="
-                f"{max_new_tokens} needs {blocks} blocks of {self.block_size}, the cache has "
-                f"{self.num_kv_blocks}"
             )
         return prompt
 
@@ -405,6 +303,14 @@ class ModelRunner:
         out.num_tokens_across_dp = across
         return out
 
+    def schedule(self) -> list[Chunk]:
+        """This step's chunks (see ``RequestScheduler.schedule``); the drafter forgets the
+        requests preempted on the way."""
+        chunks, preempted = self.scheduler.schedule()
+        for request in preempted:
+            self._forget_drafts(request)
+        return chunks
+
     def _split(self, chunks: list[Chunk], num_ubatches: int, num_tokens: int) -> list[UBatchSlice]:
         """Token-balanced ubatches; request-aligned when the step verifies drafts (and has a
         request per ubatch), so each request's k + 1 tokens stay together."""
@@ -425,6 +331,11 @@ class ModelRunner:
         by_request = {c.request.request_id: tuple(d) for c, d in zip(wanted, proposals)}
         return [dataclasses.replace(c, draft_token_ids=by_request[c.request.request_id]) if c.num_drafts else c
                 for c in chunks]
+
+    def _forget_drafts(self, request: Request) -> None:
+        """The drafter's state for a request whose KV blocks were just freed goes with them."""
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
 
     def _propose_graph(self, query_lens: list[int]) -> BatchExecutionDescriptor | None:
         """The graph this rank would replay for its batch alone (its size and mode go to the vote)."""
@@ -450,20 +361,18 @@ class ModelRunner:
             decision = dataclasses.replace(decision, num_tokens_across_dp=[most] * self.dp_size)
         return decision
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
         """Greedy-generate for every prompt on an idle runner; outputs in prompt order.
 
         In data parallelism call it on every rank with that rank's own prompts (possibly none):
         it steps until no rank has work left.
         """
-        if self._active:
+        if self.scheduler.requests:
             raise ValueError(
-                f"generate() needs an idle runner, but {len(self._active)} requests are in flight; "
+                f"generate() needs an idle runner, but {len(self.scheduler.requests)} requests are in flight; "
                 f"drive them with step()"
             )
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(limits) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+        limits = per_prompt_limits(prompts, max_new_tokens)
         for prompt, limit in zip(prompts, limits):
             self._validate(prompt, limit)
         ids = [self.add_request(prompt, limit) for prompt, limit in zip(prompts, limits)]
@@ -474,141 +383,12 @@ class ModelRunner:
             if not any(out.num_tokens_across_dp):
                 return [finished[i] for i in ids]
 
-    # ----- schedule -------------------------------------------------------------------------
-
-    def schedule(self) -> list[Chunk]:
-        """This step's chunks: decodes, then prefill chunks; preempts until something fits."""
-        while self._active:
-            chunks = self._try_schedule()
-            if chunks:
-                return chunks
-            victim = self._latest_block_holder(protected=set())
-            if victim is None:
-                raise RuntimeError(
-                    f"no request can be scheduled although no request holds KV blocks "
-                    f"({self.block_pool.num_free} of {self.num_kv_blocks} free)"
-                )
-            self._preempt(victim)
-        return []
-
-    def _try_schedule(self) -> list[Chunk]:
-        budget, seats = self.max_num_batched_tokens, self.max_num_seqs
-        chunks: list[Chunk] = []
-        scheduled: set[int] = set()
-        for request in [r for r in self._active if r.is_decoding]:
-            if not budget or not seats:
-                break
-            # An earlier decode may have preempted this request; then it prefills again.
-            num_drafts = self._num_drafts(request, budget)
-            if not request.is_decoding or not self._make_room_for_decode(request, scheduled, 1 + num_drafts):
-                continue
-            chunks.append(self._take(request, 1, num_drafts))
-            scheduled.add(request.request_id)
-            budget, seats = budget - 1 - num_drafts, seats - 1
-        for request in self._active:
-            if request.is_decoding or request.request_id in scheduled:
-                continue
-            if not budget or not seats:
-                break
-            room = (len(request.blocks) + self.block_pool.num_free) * self.block_size - request.num_computed
-            n = min(request.num_tokens - request.num_computed, budget, room)
-            if n <= 0:
-                break
-            chunks.append(self._take(request, n))
-            budget, seats = budget - n, seats - 1
-        return chunks
-
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """Drafts to verify for a decoding request: k, fewer near its token limit or the end of
-        the step's budget (every accepted draft is an output token)."""
-        remaining = request.max_new_tokens - (request.num_tokens - request.num_prompt_tokens)
-        return max(0, min(self.num_speculative_tokens, remaining - 1, budget - 1))
-
-    def _blocks_short(self, request: Request, num_new: int) -> int:
-        return math.ceil((request.num_computed + num_new) / self.block_size) - len(request.blocks)
-
-    def _take(self, request: Request, num_new: int, num_drafts: int = 0) -> Chunk:
-        """Allocate the blocks ``num_new`` more tokens and ``num_drafts`` drafts need (they are
-        known to be free)."""
-        short = self._blocks_short(request, num_new + num_drafts)
-        if short > 0:
-            request.blocks += self.block_pool.allocate(short)
-        return Chunk(request, request.num_computed, num_new, num_drafts)
-
-    def _make_room_for_decode(self, request: Request, protected: set[int], num_new: int) -> bool:
-        """Preempt later requests until ``request`` can grow by ``num_new`` tokens; False if it
-        was itself preempted (or nothing could be)."""
-        while self._blocks_short(request, num_new) > self.block_pool.num_free:
-            victim = self._latest_block_holder(protected)
-            if victim is None:
-                return False
-            self._preempt(victim)
-            if victim is request:
-                return False
-        return True
-
-    def _latest_block_holder(self, protected: set[int]) -> Request | None:
-        for request in reversed(self._active):
-            if request.blocks and request.request_id not in protected:
-                return request
-        return None
-
-    def _preempt(self, request: Request) -> None:
-        logger.info("KV cache full: preempting request %d (%d tokens) for recompute",
-                    request.request_id, request.num_tokens)
-        self._release(request)
-        request.num_computed = 0
-
-    def _release(self, request: Request) -> None:
-        """Free a request's blocks, in both caches (the drafter's state in them goes too)."""
-        self.block_pool.free(request.blocks)
-        request.blocks = []
-        if self.drafter is not None:
-            self.drafter.forget(request.request_id)
-
     # ----- inputs, model call, sampling -----------------------------------------------------
 
     def build_inputs(self, chunks: list[Chunk], num_tokens_padded: int | None = None) -> BatchInputs:
-        """Flattened token ids / positions, block table, slot mapping and attention metadata,
-        padded at the end to ``num_tokens_padded`` (padding: token 0, position 0, slot -1; no
-        chunks at all makes a step of padding only)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        width = max((len(c.request.blocks) for c in chunks), default=0)
-        table = [c.request.blocks + [0] * (width - len(c.request.blocks)) for c in chunks]
-        for chunk in chunks:
-            request, stop = chunk.request, chunk.start + chunk.query_len
-            input_ids += chunk.input_ids
-            positions += range(chunk.start, stop)
-            slots += (request.blocks[p // bs] * bs + p % bs for p in range(chunk.start, stop))
-            if chunk.reaches_end:  # the last real token, then every draft
-                logits_indices += range(len(input_ids) - 1 - len(chunk.draft_token_ids), len(input_ids))
-        pad = (len(input_ids) if num_tokens_padded is None else num_tokens_padded) - len(input_ids)
-        if pad < 0:
-            raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {len(input_ids)} scheduled tokens")
-        input_ids += [0] * pad
-        positions += [0] * pad
-        slots += [-1] * pad
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        metadata = build_attention_metadata(
-            [c.query_len for c in chunks],
-            [c.start + c.query_len for c in chunks],
-            torch.tensor(table, dtype=torch.int32).view(len(chunks), width),
-            slot_mapping,
-            device=self.device,
-        )
-        names = self.model.layer_names
-        return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            attn_metadata={name: metadata for name in names},
-            slot_mapping={name: metadata.slot_mapping for name in names},
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            num_tokens=len(input_ids),
-        )
+        """This step's device inputs (see ``build_batch_inputs``)."""
+        return build_batch_inputs(chunks, block_size=self.block_size, layer_names=self.model.layer_names,
+                                  device=self.device, num_tokens_padded=num_tokens_padded)
 
     def execute_model(
         self,
@@ -666,14 +446,13 @@ class ModelRunner:
         sampled = iter(tokens)
         for chunk in chunks:
             request = chunk.request
-            reaches_end = chunk.reaches_end
             request.num_computed = chunk.start + chunk.num_tokens
-            if reaches_end:
+            if chunk.reaches_end:
                 self._append(request, chunk.draft_token_ids,
                              [next(sampled) for _ in range(1 + len(chunk.draft_token_ids))], out)
             if request.is_finished:
-                self._release(request)
-                self._active.remove(request)
+                self.scheduler.finish(request)
+                self._forget_drafts(request)
                 out.finished[request.request_id] = request.output
         return out
 
@@ -691,63 +470,9 @@ class ModelRunner:
             out.num_accepted_tokens += len(new) - 1
 
 
-def forward_sequences(model: Decoder, sequences: Sequence[Sequence[int]], *, block_size: int = 16) -> torch.Tensor:
-    """Hidden states [sum(len), hidden] of whole sequences run as fresh prefills with a private
-    KV cache: the no-history reference that runner and sharded-model outputs are checked
-    against. The layers' own cache bindings are restored afterwards."""
-    lengths = [len(s) for s in sequences]
-    num_blocks = [math.ceil(n / block_size) for n in lengths]
-    cache = PagedKVCache(model.layer_names, num_blocks=sum(num_blocks), block_size=block_size,
-                         num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                         dtype=model.config.dtype, device=model.device)
-    width = max(num_blocks)
-    table, slots, positions, first = [], [], [], 0
-    for n, nb in zip(lengths, num_blocks):
-        table.append(list(range(first, first + nb)) + [0] * (width - nb))
-        slots += range(first * block_size, first * block_size + n)
-        positions += range(n)
-        first += nb
-    metadata = build_attention_metadata(lengths, lengths, torch.tensor(table, dtype=torch.int32),
-                                        torch.tensor(slots, dtype=torch.int64), device=model.device)
-    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=model.device)
-    previous = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
-    try:
-        for name, layer in model.attention_layers.items():
-            layer.kv_cache = cache[name]
-        with torch.inference_mode(), set_forward_context(
-            {name: metadata for name in model.layer_names}, no_compile_layers=model.attention_layers
-        ):
-            return model(input_ids, torch.tensor(positions, dtype=torch.int64, device=model.device))
-    finally:
-        for name, layer in model.attention_layers.items():
-            layer.kv_cache = previous[name]
-
-
 def _uniform(query_lens: list[int]) -> int | None:
     """Tokens per request when every request of the step has the same count, else None."""
     return query_lens[0] if query_lens and len(set(query_lens)) == 1 else None
-
-
-def _check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
-    """Every expert-parallel peer must vote in the DP group: the vote is what pads all of them
-    to one token count, and all-to-alls between ranks with different counts do not match."""
-    dp_ranks = set(dist.get_process_group_ranks(dp_group))
-    for layer in moe_layers:
-        if layer.ep_group is None:
-            continue
-        outside = sorted(set(dist.get_process_group_ranks(layer.ep_group)) - dp_ranks)
-        if outside:
-            raise ValueError(
-                f"the model's expert-parallel group includes ranks {outside} outside dp_group "
-                f"(ranks {sorted(dp_ranks)}): they would not join the per-step vote, so their "
-                f"all-to-alls could not be padded to match; use a dp_group that covers the EP group"
-            )
-
-
-def _is_local(model: Decoder) -> bool:
-    """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
-    return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None
-               for m in model.modules())
 
 
 def _resolved(device: torch.device) -> torch.device:

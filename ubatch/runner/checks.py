@@ -1,0 +1,104 @@
+"""What the runner refuses before it serves: bad counts, a model whose vocabulary disagrees with
+its config, prompts and limits of the wrong type, DP groups that leave expert-parallel peers out,
+and drafters that would run collectives."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ubatch.models import Decoder, ModelConfig
+
+
+def check_count(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is an int >= 1 (a bool or a float is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def per_prompt_limits(prompts: Any, max_new_tokens: Any) -> list[Any]:
+    """``max_new_tokens`` as one limit per prompt; TypeError for anything but a list of prompts
+    and an int or a sequence of them (a float is not silently truncated)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"prompts must be a list of token-id lists, but prompt {i} is {prompt!r} "
+                            f"({type(prompt).__name__})")
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * len(prompts)
+    if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Sequence):
+        raise TypeError(f"max_new_tokens must be an int or a list of ints (one per prompt), got "
+                        f"{max_new_tokens!r} ({type(max_new_tokens).__name__})")
+    limits = list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+    return limits
+
+
+def checked_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt as a list of ints, each in ``[0, vocab_size)``. Token ids must be integers
+    (ints, numpy or 0-d torch integers; not bools, not floats, which would be truncated)."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+        raise TypeError(f"prompt_token_ids must be a sequence of token ids, got {type(prompt_token_ids).__name__}")
+    prompt = []
+    for i, token in enumerate(prompt_token_ids):
+        if isinstance(token, bool):
+            raise TypeError(f"prompt token at index {i} is a bool ({token}), not a token id")
+        try:
+            prompt.append(operator.index(token))
+        except TypeError:
+            raise TypeError(f"prompt token at index {i} must be an integer, got {token!r} "
+                            f"({type(token).__name__})") from None
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"prompt token {token} at index {i} is out of range [0, {vocab_size})")
+    return prompt
+
+
+def check_vocab(model: Decoder, config: ModelConfig) -> None:
+    """The runner checks token ids against ``config.vocab_size`` and samples from the model's
+    logits: both must agree with the model's embedding and output rows, or a token id past the
+    embedding fails deep inside the model (or a sampled id lies outside the vocabulary)."""
+    sizes = {"config.vocab_size": config.vocab_size}
+    model_config = getattr(model, "config", None)
+    if model_config is not None and hasattr(model_config, "vocab_size"):
+        sizes["model.config.vocab_size"] = model_config.vocab_size
+    for name in ("embed", "lm_head"):
+        weight = getattr(model, name, None)
+        if isinstance(weight, torch.Tensor):
+            sizes[f"the model's {name} rows"] = weight.shape[0]
+    if len(set(sizes.values())) > 1:
+        found = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        raise ValueError(f"the model's vocabulary does not match its config: {found}; build the model from "
+                         f"the config passed to the runner")
+
+
+def check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
+    """Every expert-parallel peer must vote in the DP group: the vote is what pads all of them
+    to one token count, and all-to-alls between ranks with different counts do not match."""
+    dp_ranks = set(dist.get_process_group_ranks(dp_group))
+    for layer in moe_layers:
+        if layer.ep_group is None:
+            continue
+        outside = sorted(set(dist.get_process_group_ranks(layer.ep_group)) - dp_ranks)
+        if outside:
+            raise ValueError(
+                f"the model's expert-parallel group includes ranks {outside} outside dp_group "
+                f"(ranks {sorted(dp_ranks)}): they would not join the per-step vote, so their "
+                f"all-to-alls could not be padded to match; use a dp_group that covers the EP group"
+            )
+
+
+def is_local(model: Decoder) -> bool:
+    """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
+    return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None
+               for m in model.modules())
