@@ -46,7 +46,7 @@ class Kernel:
 
 
 def _is_link_activity(name: str) -> bool:
-    return name.startswith("spin_kernel") or ("pinned" in name and ("dtoh" in name or "htod" in name))
+    return "spin_kernel" in name or ("pinned" in name and ("dtoh" in name or "htod" in name))
 
 
 def kernels_in_trace(trace: dict[str, Any]) -> list[Kernel]:

@@ -29,7 +29,7 @@ from ubatch.bench.measure import EagerRuns, drain
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
-from ubatch.overlap import OverlapMode, apply_expert_chunks
+from ubatch.overlap import OverlapMode, apply_expert_chunks, moe_layers
 from ubatch.policy import ModePolicy
 from ubatch.wrapper import UBatchWrapper
 
@@ -107,6 +107,7 @@ class GraphedMode:
     def __exit__(self, *exc: Any) -> None:
         self.graphed.release()
         apply_expert_chunks(self.model, 1)
+        torch.cuda.empty_cache()  # a released graph's private pool stays reserved, out of the next capture's reach
 
 
 def sweep_modes(model: Any, step: Step, modes: Sequence[OverlapMode], *, graph_mode: CUDAGraphMode | None,
@@ -117,20 +118,39 @@ def sweep_modes(model: Any, step: Step, modes: Sequence[OverlapMode], *, graph_m
     device = model.device
     timings: dict[str, Timing] = {}
     quick: dict[str, float] = {}
+    dropped: dict[str, float | None] = {}
     for mode in modes:
         if graph_mode is None:
             fn = eager_call(model, step, mode)
             quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
             timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+            dropped[mode.name] = dropped_share(model, fn, step)
             continue
         with GraphedMode(model, step, mode, graph_mode, sm_partition if mode.runs_as_ubatches else None) as fn:
             quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
             timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+            dropped[mode.name] = dropped_share(model, fn, step)
             if mode == OverlapMode():
                 compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
-    return {"timings": timings, "capture_time_ms": quick, "compute_ms": compute_ms, "comm_ms": comm_ms}
+    return {"timings": timings, "capture_time_ms": quick, "compute_ms": compute_ms, "comm_ms": comm_ms,
+            "dropped_fraction": dropped}
+
+
+def dropped_share(model: Any, fn: Callable[[], Any], step: Step) -> float | None:
+    """Share of one call's (token, expert) assignments dropped for lack of capacity (this rank),
+    or None for a model that cannot drop any (no MoE layer with a finite capacity)."""
+    layers = [layer for layer in moe_layers(model) if layer.capacity_factor is not None]
+    if not layers:
+        return None
+    for layer in layers:
+        layer.overflow_count.zero_()
+    fn()
+    dropped = sum(int(layer.overflow_count) for layer in layers)
+    for layer in layers:
+        layer.overflow_count.zero_()
+    return dropped / (step.num_tokens * layers[0].top_k * len(layers))
 
 
 def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[str, Any]]:
@@ -151,6 +171,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
             "compute_ms": round(c, 4), "comm_ms": round(m, 4), "ideal_speedup": round(ideal, 4),
             "efficiency": None if ideal <= 1 + 1e-9 else round((speedup - 1) / (ideal - 1), 4),
             "above_ideal": speedup > ideal * (1 + spread),
+            "dropped_fraction": sweep["dropped_fraction"].get(mode.name),
         })
     return rows
 
