@@ -1,7 +1,10 @@
 """Overlap modes by name, the policy over modes, and the modes sweep of ubatch-bench (eager, CPU)."""
 
+import json
+
 import pytest
 
+from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
 from ubatch.bench.modes import Timing, auto_point, mode_rows, sweep_modes
 from ubatch.bench.workload import make_step
@@ -93,3 +96,28 @@ def test_the_link_stand_ins_copies_and_pacing_count_as_communication():
     assert [k.name for k in kernels if k.is_comm] == ["spin_kernel(long)", "Memcpy DtoH (Device -> Pinned)",
                                                        "Memcpy HtoD (Pinned -> Device)"]
     assert kernel_costs(kernels) == pytest.approx((8.0 / 1e3, 7.0 / 1e3))
+
+
+def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_pick(tmp_path, capsys):
+    out = tmp_path / "modes.json"
+    main(["--preset", "tiny-deepseek", "--modes", "overlap,pipeline2,split2", "--link", "host:50",
+          "--tokens", "64", "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["results"]] == ["unsplit", "overlap", "pipeline2", "split2"]
+    assert report["setup"]["link"]["kind"] == "host-link stand-in" and report["setup"]["link"]["world_size"] == 2
+    (point,) = report["auto"]["points"]
+    assert point["choice"] in {"unsplit", "overlap", "pipeline2", "split2"}
+    assert "auto at 64 tokens picks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "split0"], "must be an int"),
+    (["--modes", "fast"], "unknown overlap mode"),
+    (["--link", "infiniband"], "link"),
+    (["--link", "host", "--nproc", "2"], "--link stands in"),
+    (["--modes", "overlap", "--workload", "generate"], "--modes applies to single steps"),
+])
+def test_bench_refuses_bad_modes_and_links_before_the_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -23,10 +23,21 @@ import torch.distributed as dist
 from ubatch.bench.generation import DRAFTERS, format_generation_table
 from ubatch.bench.launch import run_on_local_ranks, under_torchrun
 from ubatch.bench.options import add_model_overrides, int_list, model_overrides, non_negative_int, positive_int
-from ubatch.bench.report import CPU_NOTE, LEGEND, format_table, policy_sentence, row_note, run_summary
+from ubatch.bench.report import (
+    CPU_NOTE,
+    LEGEND,
+    format_modes_table,
+    format_table,
+    modes_policy_sentence,
+    policy_sentence,
+    row_note,
+    run_summary,
+)
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE
 from ubatch.bench.sweep import attention_backend, run, run_device
+from ubatch.link import parse_link
 from ubatch.models import PRESETS, ModelConfig
+from ubatch.overlap import parse_modes
 from ubatch.sm import MODES
 from ubatch.teardown import destroy_process_groups_or_warn
 
@@ -94,7 +105,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chrome-trace", help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto); "
                    "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step")
     p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
+    p.add_argument("--modes", type=_modes,
+                   help="time these overlap modes of each step side by side instead of the ubatch counts, e.g. "
+                        "overlap,pipeline2,split2,split2+pipeline2 (unsplit is always the baseline; "
+                        "docs/overlap-modes.md)")
+    p.add_argument("--link", type=_link,
+                   help="one process: communicate over the host-memory link stand-in instead of a process group, "
+                        "host[:GB/s][:wW] (bandwidth per direction, default the copy engines' speed; world size "
+                        "W, default 2): would overlap pay on my cluster's links? Figures are labelled stand-in")
     return p
+
+
+def _modes(text: str) -> list:
+    try:
+        return parse_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _link(text: str) -> str:
+    try:
+        parse_link(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,6 +195,12 @@ def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace, generate:
         args.launched, world = ("here" if args.nproc > 1 else "one process"), args.nproc
     if generate and world > 1:
         p.error("--workload generate runs in one process; launch it without torchrun or --nproc")
+    if args.link and world > 1:
+        p.error("--link stands in for the other ranks of one process; launch it without torchrun or --nproc")
+    if args.link and generate:
+        p.error("--link applies to single steps, not to --workload generate")
+    if args.modes and generate:
+        p.error("--modes applies to single steps, not to --workload generate")
     return world
 
 
@@ -232,6 +272,11 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     results = report["results"]
     if args.workload == "generate":
         print(format_generation_table(results))
+        return
+    if args.modes:
+        print(format_modes_table(results))
+        for point in report.get("auto", {}).get("points", []):
+            print(f"- {modes_policy_sentence(point)}")
         return
     if args.quick:
         print(run_summary(report))

@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 
-from ubatch.bench.graphs import replay_call
+from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain
+from ubatch.bench.roofline import roofline_fields
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
-from ubatch.overlap import OverlapMode, apply_expert_chunks, moe_layers
+from ubatch.models.layers import group_rank_world
+from ubatch.overlap import OverlapMode, apply_expert_chunks, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.wrapper import UBatchWrapper
 
@@ -184,3 +186,26 @@ def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: 
     best = min(measured, key=measured.get)
     return {"choice": choice, "best": best, "auto_ms": round(measured[choice], 4),
             "best_ms": round(measured[best], 4), "auto_vs_best": round(measured[best] / measured[choice], 4)}
+
+
+def modes_report(model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *,
+                 sm_partition: Any = None) -> dict[str, Any]:
+    """``ubatch-bench --modes``: every supported mode at every ``--tokens`` size, each row with the
+    unsplit step's roofline (``ubatch.bench.roofline``), and the policy's pick per size."""
+    modes = supported(model, args.modes)
+    skipped = [m.name for m in args.modes if m not in modes]
+    graph_mode = GRAPH_MODES[args.workload] if args.graphs else None
+    ep_world = group_rank_world(getattr(next(moe_layers(model), None), "ep_group", None))[1]
+    results, points = [], []
+    for tokens in args.tokens:
+        step = step_at(tokens)
+        sweep = sweep_modes(model, step, modes, graph_mode=graph_mode, warmup=args.warmup, repeats=args.repeats,
+                            sm_partition=sm_partition)
+        md = step.attn_metadata[model.layer_names[0]]
+        for row in mode_rows(sweep, modes):
+            results.append({"model": args.preset, "workload": args.workload, "tokens_per_rank": tokens,
+                            "graphs": graph_mode is not None, "label": args.label, **row,
+                            **roofline_fields(config, md, row["median_ms"], device=model.device, ep_world=ep_world)})
+        points.append({"tokens_per_rank": tokens, **auto_point(sweep, modes, tokens)})
+    return {"results": results, "skipped_modes": skipped,
+            "auto": {"note": "the policy picks from a short timing of every mode right after capture", "points": points}}

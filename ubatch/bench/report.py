@@ -180,3 +180,35 @@ def run_summary(report: dict[str, Any]) -> str:
     sizes = ", ".join(str(t) for t in dict.fromkeys(r["tokens_per_rank"] for r in rows))
     return (f"{model} {ranks}{cores}: one {rows[0]['workload']} step of {sizes} tokens per rank, "
             f"{rows[0]['repeats']} timed rounds")
+
+
+def format_modes_table(results: Sequence[dict[str, Any]]) -> str:
+    """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
+    unsplit step, its ideal and efficiency, the dropped share and the roofline."""
+    columns = [
+        ("tokens", lambda r: str(r["tokens_per_rank"])),
+        ("mode", lambda r: r["mode"]),
+        ("ms", lambda r: _with_range(r, "median_ms", "min_ms", "max_ms")),
+        ("speedup", lambda r: "ruled out" if r["above_ideal"] else f"{_num(r['speedup'])}x"),
+        ("C ms", lambda r: _cell(r.get("compute_ms"))),
+        ("M ms", lambda r: _cell(r.get("comm_ms"))),
+        ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
+        ("effic.", lambda r: _cell(r.get("efficiency"))),
+        ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
+        ("roofline", lambda r: "-" if r.get("roofline_fraction") is None
+         else f"{100 * r['roofline_fraction']:.0f}% of {r['roofline_ms']:.3g}"),
+    ]
+    rows = [[cell(r) for _, cell in columns] for r in results]
+    widths = [max(len(head), *(len(row[i]) for row in rows)) for i, (head, _) in enumerate(columns)]
+    lines = ["  ".join(head.rjust(w) for (head, _), w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def modes_policy_sentence(point: dict[str, Any]) -> str:
+    """The mode policy's pick at one size, beside the best measured mode."""
+    where = f"at {point['tokens_per_rank']} tokens"
+    if point["choice"] == point["best"]:
+        return f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms), the measured best"
+    return (f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms); measured best is {point['best']} "
+            f"({_num(point['best_ms'])} ms): {point['auto_vs_best']:.3f}x of best")

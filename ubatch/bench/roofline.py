@@ -200,3 +200,18 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 def _check_rate(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def roofline_fields(config: ModelConfig, metadata: Any, measured_ms: float, *, device: Any, ep_world: int = 1,
+                    tp_world: int = 1) -> dict[str, Any]:
+    """A bench row's roofline columns for a step measured at ``measured_ms``, from its attention
+    metadata; None on a CPU, which the H200 ceilings do not describe."""
+    if getattr(device, "type", device) != "cuda":
+        return {"roofline_ms": None, "roofline_bound": None, "roofline_fraction": None}
+    query_lens = metadata.query_lens()
+    contexts = [s - q for s, q in zip(metadata.seq_lens_cpu.tolist(), query_lens)]
+    roofline = step_roofline(config, num_tokens=sum(query_lens), num_reqs=len(query_lens),
+                             context_len_per_req=contexts, query_len_per_req=query_lens, ep_world=ep_world,
+                             tp_world=tp_world)
+    return {"roofline_ms": round(roofline.floor_ms, 4), "roofline_bound": roofline.bound,
+            "roofline_fraction": round(roofline.fraction(measured_ms), 4)}

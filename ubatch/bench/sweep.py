@@ -22,12 +22,16 @@ from ubatch.bench.capacity import dropped_fractions
 from ubatch.bench.generation import GenerationShape, capture_sizes_for, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
 from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
+from ubatch.bench.modes import modes_report
 from ubatch.bench.options import model_overrides
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.report import environment, plot_title
+from ubatch.bench.roofline import roofline_fields
 from ubatch.bench.schedule import schedule_estimates
 from ubatch.bench.workload import Step, make_step
+from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
+from ubatch.models.layers import group_rank_world
 from ubatch.sm import SMPartition
 from ubatch.teardown import import_before_init
 
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workload == "generate":
         model = build_model(config, device=device, attn_backend=attention)
         return {**_generation_report(args, config, model, attention), "setup": setup}
-    group = dist.group.WORLD if world > 1 else None
+    group = parse_link(args.link) if args.link else dist.group.WORLD if world > 1 else None
+    shards = group_rank_world(group)[1]
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
                         tp_group=group if config.kind == "dense" else None, attn_backend=attention)
     partition = SMPartition(args.sm_partition, args.comm_sms, device)
@@ -107,6 +112,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               sm_partition=partition)
         return measured[tokens, n]
 
+    if args.modes:
+        report = modes_report(model, config, args, step_at, sm_partition=partition)
+        if args.link:
+            setup["link"] = group.describe()  # with the bandwidth its first use calibrated
+        report.update(setup=setup, args=vars(args), environment=environment(device, world, attention))
+        return report
     results, first_timeline = [], None
     configs = [(t, n) for t in args.tokens for n in args.num_ubatches]
     for tokens, n in tqdm(configs, desc="configurations", disable=rank != 0):
@@ -120,7 +131,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **schedule_estimates(m.compute_ms, m.comm_ms, m.comm_stretch, num_ubatches=n, layers=config.num_layers,
                                  attention_share=args.attention_share),
             "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
+            **roofline_fields(config, step_at(tokens).attn_metadata[model.layer_names[0]], m.baseline_ms,
+                              device=device, ep_world=shards if config.kind == "moe" else 1,
+                              tp_world=shards if config.kind == "dense" else 1),
         })
+    if args.link:
+        setup["link"] = group.describe()
     report = {"setup": setup, "args": vars(args), "results": results}
     if args.policy == "auto":
         report["auto"] = auto_policy_report(results, measure_at, tokens=args.tokens, num_ubatches=args.num_ubatches,
