@@ -132,8 +132,6 @@ class MoEFFN(nn.Module):
             raise ValueError(f"expert_chunks must be a positive int dividing the {self.num_local_experts} local "
                              f"experts, got {chunks!r}")
         self._expert_chunks = chunks
-        buckets = torch.arange(chunks * self.ep_world, device=self.overflow_count.device)[:, None]
-        self.register_buffer("buckets", buckets, persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32 summing to 1, expert ids [T, k])."""
@@ -155,11 +153,15 @@ class MoEFFN(nn.Module):
 
         # Slot of each (token, expert) assignment in the send buffer: group-major, then
         # destination, in token order within a (group, destination) bucket; assignments past
-        # capacity go to the trash row. The count runs along one contiguous row per bucket: a
-        # cumsum down a [T * top_k, buckets] one-hot took 0.75 ms per layer at 4096 tokens.
+        # capacity go to the trash row. The count runs along one contiguous row per bucket, a fast
+        # inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
+        # benchmarks/h200x2/explore/moe_dispatch_scan.log).
         local = (ids % n_local).flatten()
         bucket = local // (n_local // k) * world + (ids // n_local).flatten()
-        pos = (bucket == self.buckets).cumsum(1).gather(0, bucket[None])[0] - 1
+        # The bucket ids are made per call, not kept: a captured graph keeps its own, whatever
+        # expert_chunks is set to later.
+        buckets = torch.arange(k * world, device=x.device)[:, None]
+        pos = (bucket == buckets).cumsum(1).gather(0, bucket[None])[0] - 1
         kept = pos < cap
         slot = torch.where(kept, bucket * cap + pos, trash)
         if cap < num_tokens * self.top_k:
