@@ -1,5 +1,7 @@
 """Overlapped collectives: equal to the plain torch.distributed calls, inside and outside ubatches."""
 
+import os
+import re
 import time
 
 import pytest
@@ -8,7 +10,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from ubatch import comm, set_forward_context
-from ubatch.scheduler import UbatchScheduler, current_ubatch_id
+from ubatch.scheduler import UbatchScheduler, current_ubatch, current_ubatch_id
 from ubatch.slicing import split_batch
 from ubatch.wrapper import UBatchWrapper
 
@@ -95,3 +97,55 @@ def _peer_missing(rank, world_size):
 
 def test_a_missing_peer_gives_a_timeout_error_not_a_hang():
     run_distributed(_peer_missing, 2, timeout_s=60)
+
+
+class _FailingWork:
+    """A collective's work handle whose wait fails as gloo's does."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def wait(self, timeout):
+        raise RuntimeError(self.message)
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53391. This is typically caused "
+     "by a remote worker crashing.", "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
+    ("[gloo/transport/tcp/pair.cc:575] Read error [127.0.0.1]:41234: Connection reset by peer",
+     "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
+    ("Operation timed out!", "ubatch 1 waited more than 7 s for all_to_all_single (timed out"),
+    ("Timed out waiting 7000ms for recv operation to complete", "ubatch 1 waited more than 7 s for all_to_all_single"),
+    ("unsupported reduction", "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
+])
+def test_a_failed_wait_says_whether_the_peer_left_or_time_ran_out(message, expected):
+    sched = UbatchScheduler(2, "cpu", timeout_s=7)
+
+    def task():
+        if current_ubatch_id() == 1:
+            current_ubatch().run_collective("all_to_all_single", lambda is_async: _FailingWork(message), None)
+
+    with pytest.raises(RuntimeError, match=re.escape(expected)) as info:
+        sched.run([task, task])
+    assert isinstance(info.value.__cause__, RuntimeError) and message in str(info.value)
+    assert ("waited more than" in str(info.value)) == ("waited more than" in expected)
+
+
+def _peer_exits(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(0)  # gone without a word: rank 0's pending all-reduce sees the connection close
+    sched = UbatchScheduler(2, "cpu", timeout_s=60)
+
+    def task():
+        comm.all_reduce(torch.ones(2))
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ubatch 0's all_reduce failed: a peer rank closed its connection"):
+        sched.run([task, task])
+    assert time.monotonic() - t0 < 30, "reported when the peer left, not when the 60 s ran out"
+    os._exit(0)  # the peer is gone: skip the harness's closing barrier
+
+
+def test_a_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
+    run_distributed(_peer_exits, 2, timeout_s=90)
