@@ -116,7 +116,8 @@ class _FailingWork:
      "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
     ("Operation timed out!", "ubatch 1 waited more than 7 s for all_to_all_single (timed out"),
     ("Timed out waiting 7000ms for recv operation to complete", "ubatch 1 waited more than 7 s for all_to_all_single"),
-    ("unsupported reduction", "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
+    ("unsupported reduction",
+     "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
 ])
 def test_a_failed_wait_says_whether_the_peer_left_or_time_ran_out(message, expected):
     sched = UbatchScheduler(2, "cpu", timeout_s=7)

@@ -72,7 +72,9 @@ class ArgumentSplitter:
         decls: dict[ArgumentKey, int | str] = {}
         for key, dim in batched.items():
             _check_key(key, "batched")
-            if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 0:
+            if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+                raise TypeError(f"batched[{key!r}] must be a dimension (an int >= 0), got {dim!r}")
+            if dim < 0:
                 raise ValueError(f"batched[{key!r}] must be a dimension (an int >= 0), got {dim!r}")
             decls[key] = int(dim)
         for key in shared:
@@ -178,8 +180,9 @@ def _cut(value: Any, dim: int | None, s: UBatchSlice) -> Any:
 
 
 def _describe(runnable: Callable[..., Any]) -> str:
-    return type(runnable).__name__ if isinstance(runnable, torch.nn.Module) else getattr(
-        runnable, "__qualname__", type(runnable).__name__)
+    if isinstance(runnable, torch.nn.Module):
+        return type(runnable).__name__
+    return getattr(runnable, "__qualname__", type(runnable).__name__)
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], dim: int = 0, path: str = "output") -> Any:
@@ -256,4 +259,6 @@ def _merge_sequence(outputs: Sequence[Any], sizes: Sequence[int], dim: int, path
 
 
 def _shape_of(value: Any) -> str:
-    return f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else f"a {type(value).__name__}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"

@@ -239,8 +239,9 @@ def _drop_module_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str,
     state_dict.update({prefix + k[len(inner):]: state_dict.pop(k) for k in keys})
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # per-module versions, keyed by module path
-        moved = {path: _relative(path, inner[:-1]) for path in metadata}
-        metadata.update({_join(prefix[:-1], rest): metadata.pop(path) for path, rest in moved.items() if rest is not None})
+        relative = {path: _relative(path, inner[:-1]) for path in metadata}
+        moved = {_join(prefix[:-1], rest): metadata.pop(path) for path, rest in relative.items() if rest is not None}
+        metadata.update(moved)
 
 
 def _add_module_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
