@@ -176,7 +176,7 @@ class _Pool:
     workers: list[greenlet.greenlet] = field(default_factory=list)
     states: list[UbatchState] = field(default_factory=list)
     driver: greenlet.greenlet | None = None
-    entered: set[int] = field(default_factory=set)  # ubatches that ran in the current call
+    entered: set[int] = field(default_factory=set)  # ubatches whose streams the current call used
     comm_stream_used: bool = False
 
 
@@ -312,6 +312,7 @@ class UbatchScheduler:
     ) -> list[Any]:
         n = len(tasks)
         states = pool.states[:n]
+        pool.entered.update(range(n))  # forked from the caller's stream below, so joined back
         if caller_stream is not None:
             for state in states:
                 state.compute_stream.wait_stream(caller_stream)
