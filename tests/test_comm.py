@@ -1,5 +1,8 @@
 """Overlapped collectives: equal to the plain torch.distributed calls, inside and outside ubatches."""
 
+import functools
+import os
+import re
 import time
 
 import pytest
@@ -7,10 +10,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from ubatch import comm, set_forward_context
-from ubatch.scheduler import UbatchScheduler, current_ubatch_id
+from ubatch import comm
+from ubatch.scheduler import UbatchScheduler, current_ubatch, current_ubatch_id
 from ubatch.slicing import split_batch
-from ubatch.wrapper import UBatchWrapper
 
 
 def _collectives(x: torch.Tensor) -> list[torch.Tensor]:
@@ -28,16 +30,16 @@ def _collectives(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _ubatched_equals_plain(rank, world_size, n):
+    """Each ubatch's collectives, overlapped, equal the same collectives run plainly on its rows
+    (run on the scheduler directly: gathered and scattered outputs are not per row, so a
+    wrapper would rightly refuse to concatenate them)."""
     torch.manual_seed(rank)
     slices = split_batch([4] * n, n)
     x = torch.randn(4 * n, 3)
-    wrapper = UBatchWrapper(lambda t: _collectives(t), num_ubatches=n, device="cpu")
-    with set_forward_context(None, ubatch_slices=slices):
-        got = wrapper(x)
-    parts = [_collectives(x[s.token_slice]) for s in slices]
-    expected = [torch.cat([p[k] for p in parts]) for k in range(4)]
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e)
+    got = UbatchScheduler(n, "cpu").run([functools.partial(_collectives, x[s.token_slice]) for s in slices])
+    for ubatch, s in zip(got, slices):
+        for g, e in zip(ubatch, _collectives(x[s.token_slice])):
+            torch.testing.assert_close(g, e)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -95,3 +97,56 @@ def _peer_missing(rank, world_size):
 
 def test_a_missing_peer_gives_a_timeout_error_not_a_hang():
     run_distributed(_peer_missing, 2, timeout_s=60)
+
+
+class _FailingWork:
+    """A collective's work handle whose wait fails as gloo's does."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def wait(self, timeout):
+        raise RuntimeError(self.message)
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53391. This is typically caused "
+     "by a remote worker crashing.", "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
+    ("[gloo/transport/tcp/pair.cc:575] Read error [127.0.0.1]:41234: Connection reset by peer",
+     "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
+    ("Operation timed out!", "ubatch 1 waited more than 7 s for all_to_all_single (timed out"),
+    ("Timed out waiting 7000ms for recv operation to complete", "ubatch 1 waited more than 7 s for all_to_all_single"),
+    ("unsupported reduction",
+     "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
+])
+def test_a_failed_wait_says_whether_the_peer_left_or_time_ran_out(message, expected):
+    sched = UbatchScheduler(2, "cpu", timeout_s=7)
+
+    def task():
+        if current_ubatch_id() == 1:
+            current_ubatch().run_collective("all_to_all_single", lambda is_async: _FailingWork(message), None)
+
+    with pytest.raises(RuntimeError, match=re.escape(expected)) as info:
+        sched.run([task, task])
+    assert isinstance(info.value.__cause__, RuntimeError) and message in str(info.value)
+    assert ("waited more than" in str(info.value)) == ("waited more than" in expected)
+
+
+def _peer_exits(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(0)  # gone without a word: rank 0's pending all-reduce sees the connection close
+    sched = UbatchScheduler(2, "cpu", timeout_s=60)
+
+    def task():
+        comm.all_reduce(torch.ones(2))
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ubatch 0's all_reduce failed: a peer rank closed its connection"):
+        sched.run([task, task])
+    assert time.monotonic() - t0 < 30, "reported when the peer left, not when the 60 s ran out"
+    os._exit(0)  # the peer is gone: skip the harness's closing barrier
+
+
+def test_a_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
+    run_distributed(_peer_exits, 2, timeout_s=90)

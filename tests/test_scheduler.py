@@ -1,6 +1,11 @@
 """The greenlet scheduler: round-robin order, isolation, failures that never hang, no leaks."""
 
 import gc
+import logging
+import os
+import random
+import signal
+import sys
 import threading
 import contextvars
 import weakref
@@ -9,8 +14,9 @@ import greenlet
 import pytest
 import torch
 
+from ubatch import comm
 from ubatch.context import ForwardContext, get_forward_context, override_forward_context
-from ubatch.scheduler import UbatchScheduler, current_ubatch_id, yield_ubatch
+from ubatch.scheduler import MAX_UBATCHES, UbatchScheduler, current_ubatch_id, yield_ubatch
 
 
 def _stepper(log, steps):
@@ -53,10 +59,22 @@ def test_yield_and_id_outside_a_ubatch_are_noops():
     yield_ubatch()
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
-def test_bad_num_ubatches(bad):
-    with pytest.raises(ValueError, match="num_ubatches"):
+@pytest.mark.parametrize("bad", [0, -1, MAX_UBATCHES + 1, 10**6])
+def test_num_ubatches_out_of_range(bad):
+    with pytest.raises(ValueError, match=f"num_ubatches must be between 1 and MAX_UBATCHES=16, got {bad}"):
         UbatchScheduler(bad, "cpu")
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True, None])
+def test_num_ubatches_of_the_wrong_type(bad):
+    with pytest.raises(TypeError, match=f"num_ubatches must be an int, got {bad!r}"):
+        UbatchScheduler(bad, "cpu")
+
+
+def test_cuda_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="device='cuda' asks for CUDA, but torch.cuda.is_available"):
+        UbatchScheduler(2, "cuda")
 
 
 def test_bad_timeout_and_streams_on_cpu():
@@ -244,3 +262,150 @@ def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_g
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def _own(tag):
+    """Tasks that yield twice and return (tag, their ubatch id): a stale result shows."""
+    def task():
+        yield_ubatch()
+        yield_ubatch()
+        return (tag, current_ubatch_id())
+
+    return task
+
+
+def _check_next_call_is_clean(sched, n):
+    assert sched.run([_own("next")] * n) == [("next", i) for i in range(n)]
+
+
+def test_an_aborted_ubatch_whose_finally_yields_is_finished_before_the_next_call():
+    sched = UbatchScheduler(2, "cpu")
+    cleaned = []
+
+    def with_cleanup_collective():
+        try:
+            yield_ubatch()
+            yield_ubatch()
+            return "first"
+        finally:
+            comm.all_reduce(torch.ones(2))  # one rank: a local no-op that still yields
+            cleaned.append(current_ubatch_id())
+
+    def failing():
+        yield_ubatch()
+        raise Boom("ubatch 1 fails")
+
+    with pytest.raises(Boom):
+        sched.run([with_cleanup_collective, failing])
+    _check_next_call_is_clean(sched, 2)
+    assert cleaned == [], "the clean-up's yield raises UbatchAborted again, so the rest of it never ran"
+
+
+@pytest.mark.parametrize("yields_after_catching", [1, 3, 10_000])
+def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(
+        yields_after_catching, caplog):
+    sched = UbatchScheduler(2, "cpu")
+
+    def stubborn():
+        for _ in range(yields_after_catching + 1):
+            try:
+                yield_ubatch()
+            except BaseException:  # noqa: BLE001 - the misbehaviour under test
+                pass
+        return "stale"
+
+    def failing():
+        raise Boom("fails at once")
+
+    for _ in range(3):
+        with caplog.at_level(logging.WARNING, logger="ubatch.scheduler"), pytest.raises(Boom):
+            sched.run([stubborn, failing])
+        _check_next_call_is_clean(sched, 2)
+    discarded = "its worker is discarded" in caplog.text
+    assert discarded == (yields_after_catching >= 8)
+
+
+def test_a_task_that_swallows_the_abort_and_returns_leaves_nothing_behind():
+    sched = UbatchScheduler(3, "cpu")
+
+    def swallowing():
+        try:
+            yield_ubatch()
+            yield_ubatch()
+        except BaseException:  # noqa: BLE001 - the misbehaviour under test
+            return "swallowed"
+        return "finished"
+
+    def failing():
+        yield_ubatch()
+        raise Boom("fails")
+
+    with pytest.raises(Boom):
+        sched.run([swallowing, failing, swallowing])
+    _check_next_call_is_clean(sched, 3)
+
+
+@pytest.mark.parametrize("where", ["_enter", "_leave"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_interrupt_on_the_driver_between_switches_leaves_no_stale_result(where, n, monkeypatch):
+    sched = UbatchScheduler(n, "cpu")
+    original = getattr(sched, where)
+    for interrupt_at in range(1, 3 * n + 1):
+        calls = [0]
+
+        def interrupting(*args, interrupt_at=interrupt_at, calls=calls):
+            calls[0] += 1
+            if calls[0] == interrupt_at:
+                raise KeyboardInterrupt
+            return original(*args)
+
+        monkeypatch.setattr(sched, where, interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            sched.run([_own("interrupted")] * n)
+        monkeypatch.setattr(sched, where, original)
+        _check_next_call_is_clean(sched, n)
+
+
+def test_a_real_sigint_at_random_moments_never_gives_a_stale_result():
+    """SIGINT at a random point of a call (timed by SIGALRM, whose handler sends it): the call
+    raises KeyboardInterrupt or returns its own results, and so does every later call."""
+    sched = UbatchScheduler(3, "cpu")
+    rng = random.Random(0)
+    armed = [False]
+
+    def on_sigint(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def task_for(call):
+        def task():
+            for _ in range(rng.randrange(12)):
+                yield_ubatch()
+            return (call, current_ubatch_id())
+
+        return task
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous_alarm = signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+    interrupted = completed = 0
+    try:
+        for call in range(400):
+            try:
+                armed[0] = True
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2e-4))
+                results = sched.run([task_for(call)] * 3)
+                armed[0] = False
+            except KeyboardInterrupt:
+                interrupted += 1
+                continue
+            assert results == [(call, i) for i in range(3)]
+            completed += 1
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous)
+    _check_next_call_is_clean(sched, 3)
+    print("sigint", interrupted, completed)
+    assert interrupted > 50 and completed > 50, (interrupted, completed)

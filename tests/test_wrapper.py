@@ -99,7 +99,7 @@ def test_arguments_sliced_by_leading_dim_and_outputs_merged():
         calls.append((tokens.shape[0], positions.shape[0], table.shape[0], flag))
         return {"out": (tokens + positions, [positions * 2]), "flag": flag, "none": None}
 
-    wrapper = UBatchWrapper(run, device="cpu")
+    wrapper = UBatchWrapper(run, device="cpu", shared=("table",))
     tokens, positions, table = torch.arange(12), torch.arange(12) * 10, torch.zeros(5, 12)
     with set_forward_context(None, ubatch_slices=slices):
         out = wrapper(tokens, positions, table, flag="f", extra=torch.ones(12))
@@ -132,7 +132,7 @@ def test_errors_name_the_problem():
     with set_forward_context({"l0": "not metadata"}, ubatch_slices=split_batch([4, 4], 2)):
         with pytest.raises(TypeError, match="attn_metadata\\['l0'\\] is a str"):
             wrapper(torch.zeros(8))
-    with pytest.raises(ValueError, match="num_ubatches must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_ubatches must be between 1 and MAX_UBATCHES=16, got 0"):
         UBatchWrapper(lambda x: x, num_ubatches=0)
     with pytest.raises(TypeError, match="callable"):
         UBatchWrapper(42)
@@ -160,8 +160,8 @@ def test_more_bad_inputs_name_the_problem():
 
 
 @pytest.mark.parametrize("outputs, message", [
-    ([None, 1], "ubatch outputs disagree: some returned None, others a value"),
-    ([1, 2], "cannot merge ubatch outputs of type int: they differ and are not tensors"),
+    ([None, 1], "cannot merge output: some ubatches returned None, others a value"),
+    ([1, 2], "cannot merge output: the ubatches returned int objects that differ"),
 ])
 def test_ubatch_outputs_that_cannot_merge_are_an_error(outputs, message):
     returned = iter(outputs)
@@ -267,3 +267,300 @@ def test_the_public_contract_is_importable_from_the_package():
                  "UBatchSlice", "split_batch", "UBatchWrapper", "current_ubatch_id", "yield_ubatch",
                  "CUDAGraphMode", "BatchExecutionDescriptor", "CudaGraphManager"):
         assert hasattr(ubatch, name), name
+
+
+def _sizes_seen(seen):
+    def run(x, *rest, **kwargs):
+        seen.append((current_ubatch_id(), tuple(x.shape)))
+        yield_ubatch()
+        return x
+
+    return run
+
+
+@pytest.mark.parametrize("x, message", [
+    (torch.zeros(10), r"argument 0 \(x\) has leading dimension 10, but the ubatch slices cover 8: declare it "
+                      r"shared"),
+    (torch.zeros(2, 8, 3), r"argument 0 \(x\) has leading dimension 2, but the ubatch slices cover 8"),
+    (torch.tensor(1.0), r"argument 0 \(x\) is a 0-d tensor, which cannot be split into ubatches: declare it "
+                        r"shared"),
+])
+def test_a_tensor_that_matches_no_slice_is_an_error_naming_it(x, message):
+    wrapper = UBatchWrapper(_sizes_seen([]), device="cpu")
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
+        with pytest.raises(ValueError, match=message):
+            wrapper(x)
+
+
+def test_keyword_tensors_are_named_and_shared_ones_pass_whole():
+    seen = []
+
+    def run(x, *, bias, scale):
+        seen.append((x.shape[0], bias.shape[0], scale.dim()))
+        return x + bias[: x.shape[0]] * scale
+
+    wrapper = UBatchWrapper(run, device="cpu", shared=("bias", "scale"))
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
+        out = wrapper(torch.zeros(8), bias=torch.ones(10), scale=torch.tensor(2.0))
+        with pytest.raises(ValueError, match=r"argument 'other' has leading dimension 3, but the ubatch slices"):
+            UBatchWrapper(lambda x, other: x, device="cpu")(torch.zeros(8), other=torch.zeros(3))
+    assert seen == [(4, 10, 0), (4, 10, 0)] and torch.equal(out, torch.full((8,), 2.0))
+
+
+def test_a_declared_batch_dim_is_split_and_merged_along_that_dim():
+    seen = []
+    wrapper = UBatchWrapper(_sizes_seen(seen), num_ubatches=3, device="cpu", batched={"x": 1})
+    x = torch.arange(24.0).view(2, 12)
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4, 4], 3)):
+        out = wrapper(x)
+        with pytest.raises(ValueError, match=r"argument 0 \(x\) is declared batched along dim 1, where it has size "
+                                             r"10, but the ubatch slices cover 12"):
+            wrapper(torch.zeros(2, 10))
+    assert [shape for _, shape in seen] == [(2, 4)] * 3
+    assert torch.equal(out, x)
+
+
+def test_without_a_forward_context_the_declared_batch_dim_is_split_evenly():
+    seen = []
+    wrapper = UBatchWrapper(_sizes_seen(seen), num_ubatches=3, device="cpu", batched={"x": 0})
+    for rows, expected in [(5, [(0, 1), (1, 2), (2, 2)]), (2, [(0, 1), (1, 1)]), (1, [(None, 1)])]:
+        seen.clear()
+        x = torch.arange(rows * 4.0).view(rows, 4)
+        assert torch.equal(wrapper(x), x)
+        assert [(uid, shape[0]) for uid, shape in seen] == expected
+        assert all(shape[1:] == (4,) for _, shape in seen)
+
+
+def test_with_a_forward_context_that_says_no_split_the_call_runs_whole():
+    seen = []
+    wrapper = UBatchWrapper(_sizes_seen(seen), device="cpu", batched={"x": 0})
+    with set_forward_context(None):
+        wrapper(torch.zeros(6))
+    assert seen == [(None, (6,))]
+
+
+def test_batched_arguments_must_agree_on_the_batch_size():
+    wrapper = UBatchWrapper(lambda a, b: a, device="cpu", batched={"a": 0, "b": 1})
+    with pytest.raises(ValueError, match=r"batched arguments disagree on the batch size: argument 0 \(a\) has 4 "
+                                         r"rows along its batch dimension, argument 'b' has 3"):
+        wrapper(torch.zeros(4), b=torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(batched={"y": 0}), ValueError, r"argument 'y' is declared, but .* has no parameter of that name"),
+    (dict(batched={3: 0}), ValueError, r"positional argument 3 is declared, but .* takes 2 positional arguments"),
+    (dict(batched={"x": 0}, shared=("x",)), ValueError, "argument 'x' is declared both batched and shared"),
+    (dict(batched={"x": 0}, shared=(0,)), ValueError, "argument 0 is declared twice, by name and by position"),
+    (dict(batched={"x": -1}), ValueError, r"batched\['x'\] must be a dimension \(an int >= 0\), got -1"),
+    (dict(batched={"x": True}), TypeError, r"batched\['x'\] must be a dimension"),
+    (dict(batched={"x": 0.0}), TypeError, r"batched\['x'\] must be a dimension \(an int >= 0\), got 0.0"),
+    (dict(batched={True: 0}), TypeError, "batched keys must be argument names .* got True"),
+    (dict(batched=["x"]), TypeError, "batched must map argument names or indices to a dim, got list"),
+    (dict(shared="x"), TypeError, "shared must be a collection of argument names or indices, got 'x'"),
+])
+def test_bad_declarations_are_refused_at_construction(kwargs, error, message):
+    def run(x, scale):
+        return x
+
+    with pytest.raises(error, match=message):
+        UBatchWrapper(run, device="cpu", **kwargs)
+
+
+def test_a_declared_argument_may_be_passed_by_position_or_by_name():
+    seen = []
+
+    def run(x, table):
+        seen.append((x.shape[0], table.shape[0]))
+        return x
+
+    wrapper = UBatchWrapper(run, device="cpu", shared=("table",))
+    with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
+        wrapper(torch.zeros(8), torch.zeros(8))
+        wrapper(torch.zeros(8), table=torch.zeros(8))
+    assert seen == [(4, 8)] * 4
+
+
+@dataclasses.dataclass
+class _Output(dict):
+    """Like transformers' ModelOutput: a dataclass that is also a dict."""
+
+    logits: torch.Tensor = None
+    extra: object = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            self[f.name] = getattr(self, f.name)
+
+
+class _Cache:
+    """Per-ubatch state without a merge (a transformers DynamicCache, say)."""
+
+
+@pytest.mark.parametrize("extra, error, message", [
+    (lambda rows: _Cache(), TypeError, r"cannot merge output\.extra: the ubatches returned _Cache objects that differ"),
+    (lambda rows: (torch.zeros(rows), torch.tensor(float(rows))), ValueError,
+     r"cannot merge output\.extra\[1\]: each ubatch returned a different 0-d tensor"),
+    (lambda rows: [torch.zeros(rows * 3, 2)], ValueError,
+     r"cannot merge output\.extra\[0\]: ubatch 0 returned shape \(9, 2\), but its slice holds 3 rows along dim 0"),
+    (lambda rows: {"k": torch.zeros(rows)} if rows == 3 else {"j": torch.zeros(rows)}, TypeError,
+     r"cannot merge output\.extra: ubatch 0 returned keys \['k'\], ubatch 1 \['j'\]"),
+])
+def test_outputs_that_cannot_merge_name_the_field(extra, error, message):
+    wrapper = UBatchWrapper(lambda x: _Output(logits=x, extra=extra(x.shape[0])), device="cpu")
+    with set_forward_context(None, ubatch_slices=split_batch([3, 4], 2)):
+        with pytest.raises(error, match=message):
+            wrapper(torch.zeros(7))
+
+
+def test_equal_zero_d_tensors_and_scalars_pass_through():
+    wrapper = UBatchWrapper(lambda x: (x, torch.tensor(1.0), 3, None), device="cpu")
+    with set_forward_context(None, ubatch_slices=split_batch([3, 4], 2)):
+        out, one, three, none = wrapper(torch.arange(7.0))
+    assert torch.equal(out, torch.arange(7.0)) and one.item() == 1.0 and three == 3 and none is None
+
+
+def test_bad_slices_and_sizes_are_clear_errors(monkeypatch):
+    wrapper = UBatchWrapper(lambda x: x, device="cpu")
+    with set_forward_context(None, ubatch_slices=2):
+        with pytest.raises(TypeError, match="ubatch_slices must be a sequence of UBatchSlice .*got int"):
+            wrapper(torch.zeros(8))
+    with pytest.raises(TypeError, match="num_ubatches must be an int, got True"):
+        UBatchWrapper(lambda x: x, num_ubatches=True)
+    with pytest.raises(ValueError, match="num_ubatches must be between 1 and MAX_UBATCHES=16, got 1000000"):
+        UBatchWrapper(lambda x: x, num_ubatches=10**6)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="device='cuda' asks for CUDA, but torch.cuda.is_available"):
+        UBatchWrapper(lambda x: x, device="cuda")
+
+
+def test_metadata_of_any_splittable_type_reaches_each_ubatch():
+    @dataclasses.dataclass
+    class Rows:
+        rows: range
+
+        def split(self, slices):
+            return [Rows(self.rows[s.token_slice]) for s in slices]
+
+    seen = []
+
+    def run(x):
+        seen.append(get_forward_context().attn_metadata["l0"].rows)
+        return x
+
+    with set_forward_context({"l0": Rows(range(8))}, ubatch_slices=split_batch([4, 4], 2)):
+        UBatchWrapper(run, device="cpu")(torch.zeros(8))
+    assert seen == [range(0, 4), range(4, 8)]
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+
+
+def test_the_wrapper_is_a_module_that_owns_the_wrapped_one():
+    torch.manual_seed(0)
+    inner = _mlp()
+    wrapper = UBatchWrapper(inner, device="cpu")
+    assert isinstance(wrapper, torch.nn.Module)
+    assert [name for name, _ in wrapper.named_children()] == ["module"], "the scheduler is no submodule"
+    assert [id(p) for p in wrapper.parameters()] == [id(p) for p in inner.parameters()]
+    assert wrapper.eval() is wrapper and not inner.training
+    assert wrapper.train() is wrapper and inner.training
+    assert wrapper.to(torch.float64) is wrapper and inner[0].weight.dtype == torch.float64
+    assert wrapper.half() is wrapper and inner[0].weight.dtype == torch.float16
+    assert wrapper.float().eval() is wrapper and wrapper.scheduler.num_ubatches == 2
+    x = torch.randn(6, 4)
+    with set_forward_context(None, ubatch_slices=split_batch([3, 3], 2)):
+        torch.testing.assert_close(wrapper(x), inner(x))
+
+
+def test_state_dict_keys_are_the_wrapped_modules_both_ways():
+    inner = _mlp()
+    wrapper = UBatchWrapper(inner, device="cpu")
+    saved = wrapper.state_dict()
+    assert list(saved) == list(inner.state_dict())
+    assert dict(saved._metadata) == dict(inner.state_dict()._metadata), "module versions follow the keys"
+    other = UBatchWrapper(_mlp(), device="cpu")
+    assert not other.load_state_dict(inner.state_dict()).missing_keys
+    bare = _mlp()
+    bare.load_state_dict(saved)
+    for a, b, c in zip(inner.state_dict().values(), other.state_dict().values(), bare.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        other.load_state_dict({})
+
+
+def test_state_dict_of_a_model_holding_a_wrapper_is_that_of_the_unwrapped_model():
+    plain = torch.nn.ModuleDict({"pre": torch.nn.Linear(4, 4), "body": _mlp(), "post": torch.nn.Linear(4, 1)})
+    holder = torch.nn.ModuleDict({"pre": torch.nn.Linear(4, 4), "body": UBatchWrapper(_mlp(), device="cpu"),
+                                  "post": torch.nn.Linear(4, 1)})
+    assert list(holder.state_dict()) == list(plain.state_dict())
+    holder.load_state_dict(plain.state_dict())
+    assert torch.equal(holder["body"].module[0].weight, plain["body"][0].weight)
+    nested = UBatchWrapper(UBatchWrapper(torch.nn.Linear(2, 2), device="cpu"), device="cpu")
+    assert list(nested.state_dict()) == ["weight", "bias"]
+    nested.load_state_dict(torch.nn.Linear(2, 2).state_dict())
+
+
+def test_hooks_on_the_wrapper_see_the_call_and_on_the_module_each_ubatch():
+    inner = torch.nn.Linear(4, 4)
+    wrapper = UBatchWrapper(inner, device="cpu")
+    outer_calls, inner_calls = [], []
+    wrapper.register_forward_hook(lambda module, args, out: outer_calls.append(out.shape[0]))
+    inner.register_forward_hook(lambda module, args, out: inner_calls.append((current_ubatch_id(), out.shape[0])))
+    with set_forward_context(None, ubatch_slices=split_batch([2, 4], 2)):
+        wrapper(torch.randn(6, 4))
+    assert outer_calls == [6] and inner_calls == [(0, 3), (1, 3)]
+
+
+def test_a_compiled_module_runs_under_the_wrapper():
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(4, 4)
+    x = torch.randn(6, 4)
+    expected = inner(x)
+    compiled = UBatchWrapper(torch.compile(inner, backend="eager"), device="cpu")
+    in_place = UBatchWrapper(inner, device="cpu")
+    in_place.module.compile(backend="eager")
+    with set_forward_context(None, ubatch_slices=split_batch([3, 3], 2)):
+        torch.testing.assert_close(compiled(x), expected)
+        torch.testing.assert_close(in_place(x), expected)
+
+
+def test_a_plain_callable_is_kept_as_an_attribute():
+    def double(x):
+        return 2 * x
+
+    double.note = "kept"
+    wrapper = UBatchWrapper(double, device="cpu")
+    assert wrapper.module is double and wrapper.unwrap() is double and wrapper.note == "kept"
+    assert list(wrapper.children()) == [] and not wrapper.state_dict()
+    assert wrapper.to(torch.float64) is wrapper
+    with set_forward_context(None, ubatch_slices=split_batch([2, 2], 2)):
+        assert torch.equal(wrapper(torch.ones(4)), torch.full((4,), 2.0))
+
+
+def test_a_transformers_model_splits_its_batch_without_a_forward_context():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    input_ids = torch.randint(0, 64, (5, 10))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    rows = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    wrapper = UBatchWrapper(model, num_ubatches=3, device="cpu", batched={"input_ids": 0, "attention_mask": 0})
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        rows.clear()
+        out = wrapper(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        assert rows == [1, 2, 2]
+        torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(TypeError, match=r"cannot merge output\.(past_key_values|cache): the ubatches returned "
+                                            r"DynamicCache objects that differ"):
+            wrapper(input_ids=input_ids, use_cache=True)
+    assert list(wrapper.state_dict()) == list(model.state_dict())
+    assert wrapper.eval() is wrapper and wrapper.config is model.config

@@ -15,7 +15,10 @@ CPU the same code runs with no streams at all.
 from __future__ import annotations
 
 import contextvars
+import enum
 import logging
+import numbers
+import re
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,11 +35,38 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
 
+MAX_UBATCHES = 16
+"""The most ubatches one step may run. Every hand-off costs a switch and an event pair, and
+every pipeline stage fills and drains once per layer, so the overlap a split can win (at most
+2x) is gone long before this; the cap also stops a typo from building states by the million."""
+
+ABORT_ATTEMPTS = 8
+"""How often an aborted ubatch is thrown ``UbatchAborted`` again when it yields while unwinding
+(a cleanup collective in a ``finally``) before its worker is discarded as refusing to stop."""
+
 _current: contextvars.ContextVar[UbatchState | None] = contextvars.ContextVar("ubatch_state", default=None)
 
 
 class UbatchAborted(BaseException):
     """Thrown into a suspended ubatch when another one failed; never escapes the scheduler."""
+
+
+class Outcome(enum.Enum):
+    """What a worker tells the driver when it hands control back."""
+
+    YIELD = "yield"  # suspended; resume it later
+    DONE = "done"  # the task returned; its value is on the state
+    ERROR = "error"  # the task raised; the exception is on the state
+    ABORTED = "aborted"  # the task unwound after ``UbatchAborted``
+
+
+def check_num_ubatches(value: object, *, minimum: int = 1) -> int:
+    """``value`` as an int in ``minimum .. MAX_UBATCHES``; TypeError / ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"num_ubatches must be an int, got {value!r} ({type(value).__name__})")
+    if not minimum <= value <= MAX_UBATCHES:
+        raise ValueError(f"num_ubatches must be between {minimum} and MAX_UBATCHES={MAX_UBATCHES}, got {value}")
+    return int(value)
 
 
 def current_ubatch() -> UbatchState | None:
@@ -66,17 +96,22 @@ class UbatchState:
     compute_stream: Any = None
     handoff_event: Any = None
     comm_ready_event: Any = None
-    comm_done_event: Any = None
     grad_enabled: bool = True
     segment_start: Any = None
-    outcome: tuple[str, Any] | None = None  # ("done" | "error" | "aborted", value), left by the worker
+    busy: bool = False  # a task was handed to this ubatch's worker and has not reported its end
+    result: Any = None  # the ended task's value or exception, until the driver takes it
+    discarded: bool = False  # its worker refused to stop and was thrown out
 
-    def take_outcome(self) -> tuple[str, Any]:
-        """The finished task's outcome, dropped from the state (the state outlives the step)."""
-        outcome, self.outcome = self.outcome, None
-        return outcome
+    def finish(self) -> Any:
+        """The ended task's value or exception, dropped from the state (which outlives the step)."""
+        result, self.result = self.result, None
+        self.busy = False
+        return result
 
     def yield_now(self) -> None:
+        if self.discarded:  # hand control back to whoever is killing it; never touch the scheduler
+            greenlet.getcurrent().parent.switch(Outcome.YIELD)
+            return
         self.scheduler._yield_from(self)
 
     def run_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None) -> None:
@@ -100,7 +135,7 @@ class UbatchState:
             return pending
         self.comm_ready_event.record(self.compute_stream)
         sched.comm_stream.wait_event(self.comm_ready_event)
-        sched.comm_stream_used = True
+        sched._note_comm_stream_used()
         start = sched.trace.mark(sched.comm_stream) if sched.trace else None
         with torch.cuda.stream(sched.comm_stream):
             launch(False)
@@ -123,10 +158,7 @@ class UbatchState:
             try:
                 pending.work.wait(timedelta(seconds=limit))
             except RuntimeError as exc:
-                raise RuntimeError(
-                    f"ubatch {self.ubatch_id} waited more than {limit:g} s for {pending.op_name} "
-                    f"(a peer rank may have failed or left): {exc}"
-                ) from exc
+                raise RuntimeError(wait_failure_message(exc, self.ubatch_id, pending.op_name, limit)) from exc
             pending.work = None
             if sched.trace:
                 sched.trace.add(self.ubatch_id, "comm", pending.op_name, pending.start, sched.trace.mark())
@@ -136,6 +168,24 @@ class UbatchState:
         """Compute after a collective starts once its result is in: waiting is not computing."""
         if self.scheduler.trace:
             self.segment_start = self.scheduler.trace.mark(self.compute_stream)
+
+
+_PEER_CLOSED = re.compile(
+    r"connection (was )?(closed|reset)|(closed|reset) by (the )?peer|broken pipe|remote process exited", re.IGNORECASE
+)
+_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+
+
+def wait_failure_message(exc: BaseException, ubatch_id: int, op_name: str, limit_s: float) -> str:
+    """Say which of the usual reasons made a collective's wait fail: a peer that closed its
+    connection (it exited or crashed), a wait that ran out of time, or something else."""
+    if _PEER_CLOSED.search(str(exc)):
+        return (f"ubatch {ubatch_id}'s {op_name} failed: a peer rank closed its connection "
+                f"(it exited or crashed; check its logs): {exc}")
+    if _TIMED_OUT.search(str(exc)):
+        return (f"ubatch {ubatch_id} waited more than {limit_s:g} s for {op_name} "
+                f"(timed out: a peer rank may be slow, stuck or missing this collective): {exc}")
+    return f"ubatch {ubatch_id}'s {op_name} failed while waiting for its result: {exc}"
 
 
 @dataclass
@@ -152,10 +202,14 @@ class PendingCollective:
 
 @dataclass
 class _Pool:
-    """The worker greenlets of one scheduler on one thread (greenlets cannot cross threads)."""
+    """One thread's workers and ubatch states for one scheduler (greenlets cannot cross threads,
+    and a state's outcome and grad mode belong to the thread driving it)."""
 
     workers: list[greenlet.greenlet] = field(default_factory=list)
+    states: list[UbatchState] = field(default_factory=list)
     driver: greenlet.greenlet | None = None
+    entered: set[int] = field(default_factory=set)  # ubatches whose streams the current call used
+    comm_stream_used: bool = False
 
 
 class UbatchScheduler:
@@ -171,18 +225,20 @@ class UbatchScheduler:
         comm_stream: Any = None,
         comm_group: Callable[[Any], Any] | None = None,
     ) -> None:
-        if not isinstance(num_ubatches, int) or num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+        self.num_ubatches = check_num_ubatches(num_ubatches)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        self.num_ubatches = num_ubatches
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout_s = float(timeout_s)
         self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}): pass device='cpu', or None to use CUDA only where it exists"
+            )
         self._local = threading.local()
         self.trace: StepTrace | None = None
         self._comm_group = comm_group
-        self.comm_stream_used = False
         self.compute_streams: list[Any] = []
         self.comm_stream: Any = None
         if self.is_cuda:
@@ -191,7 +247,6 @@ class UbatchScheduler:
             self._make_streams(compute_streams, comm_stream)
         elif compute_streams is not None or comm_stream is not None:
             raise ValueError(f"streams were given but the device is {self.device}, not CUDA")
-        self._states = [self._make_state(i) for i in range(num_ubatches)]
 
     def _make_streams(self, compute_streams: Sequence[Any] | None, comm_stream: Any) -> None:
         if compute_streams is not None and len(compute_streams) != self.num_ubatches:
@@ -210,7 +265,6 @@ class UbatchScheduler:
             state.compute_stream = self.compute_streams[i]
             state.handoff_event = torch.cuda.Event()
             state.comm_ready_event = torch.cuda.Event()
-            state.comm_done_event = torch.cuda.Event()
         return state
 
     def resolve_group(self, group: Any) -> Any:
@@ -244,18 +298,20 @@ class UbatchScheduler:
         if pool is None:
             pool = _Pool()
             self._local.pool = pool
-        while len(pool.workers) < self.num_ubatches:
-            worker = greenlet.greenlet(_worker_loop)
-            worker.switch()  # start it: it parks at once and takes every task as a switch value
-            pool.workers.append(worker)
+        while len(pool.workers) < self.num_ubatches:  # two loops: an interrupt leaves no gap
+            pool.workers.append(_start_worker())
+        while len(pool.states) < self.num_ubatches:
+            pool.states.append(self._make_state(len(pool.states)))
         return pool
 
     def run(self, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run ``tasks[i]`` as ubatch i and return their results in order.
 
-        Each task sees a copy of the caller's context variables (the forward context included).
-        If one raises, the others are aborted (those not yet started never start), and the
-        exception is re-raised here with the ubatch id noted; the scheduler stays usable.
+        Each task sees a copy of the caller's context variables (the forward context included)
+        and the caller's grad mode. If one raises, the others are aborted (those not yet started
+        never start; a suspended one gets ``UbatchAborted`` at every yield until it ends), and
+        the exception is re-raised here with the ubatch id noted. However a call ends, a
+        return, an exception or an interrupt, no task of it is left to run into the next call.
         """
         n = len(tasks)
         if not 1 <= n <= self.num_ubatches:
@@ -263,61 +319,64 @@ class UbatchScheduler:
         pool = self._pool()
         if pool.driver is not None:
             raise RuntimeError("UbatchScheduler.run is not re-entrant: a ubatch called it again")
-        pool.driver = greenlet.getcurrent()
-        for worker in pool.workers:  # a finished worker parks by switching to its parent
-            if worker.parent is not pool.driver:
-                worker.parent = pool.driver
         caller_stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
         grad_enabled = torch.is_grad_enabled()
         try:
+            pool.driver = greenlet.getcurrent()
+            pool.entered.clear()
+            pool.comm_stream_used = False
+            for worker in pool.workers:  # a worker reports to (and parks in) its parent
+                if worker.parent is not pool.driver:
+                    worker.parent = pool.driver
+            self._settle(pool)  # what an interrupted clean-up of the previous call left
             return self._drive(pool, tasks, caller_stream, grad_enabled)
         finally:
-            pool.driver = None
-            torch.set_grad_enabled(grad_enabled)
-            if caller_stream is not None:
-                torch.cuda.set_stream(caller_stream)
+            try:
+                self._settle(pool)
+            finally:
+                pool.driver = None
+                torch.set_grad_enabled(grad_enabled)
+                self._join(pool, caller_stream)
 
     def _drive(
         self, pool: _Pool, tasks: Sequence[Callable[[], Any]], caller_stream: Any, grad_enabled: bool
     ) -> list[Any]:
         n = len(tasks)
-        states = self._states[:n]
+        states = pool.states[:n]
+        pool.entered.update(range(n))  # forked from the caller's stream below, so joined back
         if caller_stream is not None:
-            self.comm_stream_used = False
             for state in states:
                 state.compute_stream.wait_stream(caller_stream)
         for state in states:
             state.grad_enabled = grad_enabled
         results: list[Any] = [None] * n
-        started = [False] * n
         active = list(range(n))
         previous: UbatchState | None = None
         while active:
             for i in list(active):
                 state = states[i]
-                self._enter(state, previous)
-                if started[i]:
-                    kind, value = pool.workers[i].switch(None)
-                else:
-                    started[i] = True
-                    kind, value = pool.workers[i].switch((state, tasks[i], contextvars.copy_context()))
-                if kind == _FINISHED[0]:
-                    kind, value = state.take_outcome()
-                self._leave(state)
+                self._enter(pool, state, previous)
                 previous = state
-                if kind == "yield":
+                if state.busy:
+                    kind = pool.workers[i].switch(None)
+                else:
+                    state.busy = True  # before the switch: a false "busy" is settled harmlessly
+                    kind = pool.workers[i].switch((state, tasks[i], contextvars.copy_context()))
+                self._leave(state)
+                if kind is Outcome.YIELD:
                     continue
                 active.remove(i)
-                if kind == "error":
-                    self._abort(pool, [j for j in active if started[j]], states)
-                    self._join(states, caller_stream)
+                value = state.finish()
+                if kind is Outcome.ERROR:
                     _note_ubatch(value, i)
                     raise value
+                if kind is not Outcome.DONE:
+                    raise RuntimeError(f"ubatch {i} ended with {kind}, but nothing aborted it")
                 results[i] = value
-        self._join(states, caller_stream)
         return results
 
-    def _enter(self, state: UbatchState, previous: UbatchState | None) -> None:
+    def _enter(self, pool: _Pool, state: UbatchState, previous: UbatchState | None) -> None:
+        pool.entered.add(state.ubatch_id)
         torch.set_grad_enabled(state.grad_enabled)
         if state.compute_stream is not None:
             if previous is not None and previous is not state:
@@ -333,35 +392,63 @@ class UbatchScheduler:
         if state.compute_stream is not None:
             state.handoff_event.record(state.compute_stream)
 
-    def _abort(self, pool: _Pool, suspended: list[int], states: list[UbatchState]) -> None:
-        for j in suspended:
-            self._enter(states[j], None)
-            kind, value = pool.workers[j].throw(UbatchAborted())
-            if kind == _FINISHED[0]:
-                kind, value = states[j].take_outcome()
-            self._leave(states[j])
-            if kind == "error":
-                logger.warning("ubatch %d also failed while aborting: %r", j, value)
+    def _settle(self, pool: _Pool) -> None:
+        """Abort every task still running (and replace dead workers), so none outlives its call."""
+        for i in range(len(pool.states)):
+            if pool.states[i].busy or pool.workers[i].dead:
+                self._abort(pool, i)
 
-    def _join(self, states: list[UbatchState], caller_stream: Any) -> None:
+    def _abort(self, pool: _Pool, i: int) -> None:
+        """Throw ``UbatchAborted`` into ubatch i until its task ends; discard a worker that
+        will not stop (a task that catches BaseException and keeps yielding)."""
+        worker, state = pool.workers[i], pool.states[i]
+        for _ in range(ABORT_ATTEMPTS):
+            if worker.dead:
+                break
+            self._enter(pool, state, None)
+            try:
+                kind = worker.throw(UbatchAborted())
+            except UbatchAborted:
+                break  # it was parked (marked busy just before or after its task): the throw ended it
+            finally:
+                self._leave(state)
+            if kind is not Outcome.YIELD:
+                value = state.finish()
+                if kind is Outcome.ERROR:
+                    logger.warning("ubatch %d also failed while aborting: %r", i, value)
+                return
+        else:
+            logger.warning("ubatch %d kept running after %d aborts (does it catch BaseException?); "
+                           "its worker is discarded", i, ABORT_ATTEMPTS)
+        state.discarded = True
+        pool.workers[i] = _start_worker()  # the worker first: a fresh state must never meet the old one
+        pool.states[i] = self._make_state(i)
+
+    def _join(self, pool: _Pool, caller_stream: Any) -> None:
         if caller_stream is None:
             return
         torch.cuda.set_stream(caller_stream)
-        for state in states:
-            caller_stream.wait_stream(state.compute_stream)
-        if self.comm_stream_used:  # joining an unused stream would break a graph capture
+        for i in sorted(pool.entered):
+            caller_stream.wait_stream(self.compute_streams[i])
+        if pool.comm_stream_used:  # joining an unused stream would break a graph capture
             caller_stream.wait_stream(self.comm_stream)
 
     def _yield_from(self, state: UbatchState) -> None:
-        self._local.pool.driver.switch(("yield", None))
+        self._local.pool.driver.switch(Outcome.YIELD)
+
+    def _note_comm_stream_used(self) -> None:
+        self._local.pool.comm_stream_used = True
 
 
-_FINISHED = ("finished", None)
+def _start_worker() -> greenlet.greenlet:
+    worker = greenlet.greenlet(_worker_loop)
+    worker.switch()  # start it: it parks at once and takes every task as a switch value
+    return worker
 
 
 def _worker_loop() -> None:
-    """A persistent ubatch: park, then run each task it is switched to, leave the outcome on its
-    state, and park again.
+    """A persistent ubatch: park, then run each task it is switched to, leave the result on its
+    state, report how the task ended, and park again.
 
     A parked worker holds no reference to its last task, context or result: they would keep
     the step's tensors alive until the next call, and a reference back to the pool would tie
@@ -369,22 +456,26 @@ def _worker_loop() -> None:
     exit that outlived ``destroy_process_group`` and aborted gloo ranks). Tasks arrive as switch
     values, never as the start argument: a greenlet keeps that for as long as it lives.
     """
+    kind: Outcome | None = None
     while True:
-        job = greenlet.getcurrent().parent.switch(_FINISHED)
-        state, task, context = job
-        state.outcome = context.run(_run_task, state, task)
-        job = state = task = context = None
+        state, task, context = greenlet.getcurrent().parent.switch(kind)
+        kind = context.run(_run_task, state, task)
+        state = task = context = None
 
 
-def _run_task(state: UbatchState, task: Callable[[], Any]) -> tuple[str, Any]:
+def _run_task(state: UbatchState, task: Callable[[], Any]) -> Outcome:
     """Runs inside a copy of the caller's context, so the ubatch state set here dies with it."""
     _current.set(state)
     try:
-        return ("done", task())
+        state.result = task()
+        return Outcome.DONE
     except UbatchAborted:
-        return ("aborted", None)
+        return Outcome.ABORTED
+    except greenlet.GreenletExit:  # the worker itself is being killed: let it die
+        raise
     except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's greenlet
-        return ("error", exc)
+        state.result = exc
+        return Outcome.ERROR
 
 
 def _note_ubatch(exc: BaseException, ubatch_id: int) -> None:

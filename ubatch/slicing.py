@@ -1,29 +1,48 @@
-"""Split a flattened batch into contiguous ubatches, and give each its own attention metadata.
+"""Split a flattened batch into contiguous ubatches, and give each its own per-layer metadata.
 
 A batch is a run of requests laid end to end along the token dimension. A split point may fall
 inside a request: that request then appears in both neighbouring slices, and its second part is a
 chunked-prefill continuation of the first (it attends to the first part's KV, which the scheduler
 orders before it).
+
+Metadata of any type is split through a small protocol (``split_metadata``): a splitter
+registered for its type, or its own ``split(slices)`` method. The executor knows no metadata
+type itself.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ubatch.attention import AttentionMetadata, build_attention_metadata
+from ubatch.scheduler import check_num_ubatches
 
 
 @dataclass(frozen=True)
 class UBatchSlice:
-    """The requests and tokens of one ubatch, as slices of the parent batch."""
+    """The requests and tokens of one ubatch, as slices of the parent batch: plain
+    ``slice(start, stop)`` with ``0 <= start <= stop`` and no step."""
 
     request_slice: slice
     token_slice: slice
+
+    def __post_init__(self) -> None:
+        for name in ("request_slice", "token_slice"):
+            value = getattr(self, name)
+            if not isinstance(value, slice):
+                raise TypeError(f"UBatchSlice.{name} must be a slice, got {type(value).__name__}")
+            if value.step not in (None, 1):
+                raise ValueError(f"UBatchSlice.{name}={value} has step {value.step}: ubatches are contiguous")
+            bounds_are_ints = all(isinstance(b, int) and not isinstance(b, bool) for b in (value.start, value.stop))
+            if not bounds_are_ints or not 0 <= value.start <= value.stop:
+                raise ValueError(f"UBatchSlice.{name} must be slice(start, stop) with ints 0 <= start <= stop, "
+                                 f"got {value}")
 
     @property
     def num_tokens(self) -> int:
@@ -34,18 +53,31 @@ class UBatchSlice:
         return self.request_slice.stop - self.request_slice.start
 
 
-def _validate_counts(num_scheduled_tokens: Sequence[int]) -> list[int]:
-    counts = [int(n) for n in num_scheduled_tokens]
-    bad = [n for n in counts if n < 1]
-    if not counts or bad:
-        raise ValueError(
-            f"num_scheduled_tokens must list >= 1 token per request, got {list(num_scheduled_tokens)}"
-        )
+def _as_int(value: object, name: str) -> int:
+    """``value`` as an int; TypeError for anything else (bools and floats included: a float token
+    count would be truncated without a word)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _validate_counts(num_scheduled_tokens: Iterable[int]) -> list[int]:
+    if isinstance(num_scheduled_tokens, torch.Tensor) and num_scheduled_tokens.dim() == 1:
+        num_scheduled_tokens = num_scheduled_tokens.tolist()
+    if isinstance(num_scheduled_tokens, (str, bytes, torch.Tensor)) or not isinstance(num_scheduled_tokens, Iterable):
+        raise TypeError(f"num_scheduled_tokens must be a sequence of ints (tokens per request), "
+                        f"got {type(num_scheduled_tokens).__name__}")
+    counts = [_as_int(n, f"num_scheduled_tokens[{r}]") for r, n in enumerate(num_scheduled_tokens)]
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"num_scheduled_tokens must list >= 1 token per request, got {counts}")
     return counts
 
 
 def split_batch(
-    num_scheduled_tokens: Sequence[int],
+    num_scheduled_tokens: Iterable[int],
     num_ubatches: int,
     num_tokens_padded: int | None = None,
     *,
@@ -58,12 +90,11 @@ def split_batch(
     ``align_to_requests`` each split point moves to the nearest request boundary, so no request
     straddles two ubatches (what uniform speculative verification needs).
     """
-    if not isinstance(num_ubatches, int) or num_ubatches < 1:
-        raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+    num_ubatches = check_num_ubatches(num_ubatches)
     counts = _validate_counts(num_scheduled_tokens)
     starts = [0, *itertools.accumulate(counts)]
     num_real = starts[-1]
-    total = num_real if num_tokens_padded is None else int(num_tokens_padded)
+    total = num_real if num_tokens_padded is None else _as_int(num_tokens_padded, "num_tokens_padded")
     if total < num_real:
         raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {num_real} scheduled tokens")
     if align_to_requests:
@@ -101,34 +132,54 @@ def _request_aligned_points(starts: list[int], total: int, num_ubatches: int) ->
     return points
 
 
-def split_attn_metadata(metadata: AttentionMetadata, slices: Sequence[UBatchSlice]) -> list[AttentionMetadata]:
-    """One AttentionMetadata per slice.
+def even_slices(num_rows: int, num_parts: int) -> list[UBatchSlice]:
+    """``num_rows`` rows in ``num_parts`` contiguous, in-order parts whose sizes differ by at most
+    one, each row its own request (a batch dimension the wrapper splits itself)."""
+    if not 1 <= num_parts <= num_rows:
+        raise ValueError(f"cannot split {num_rows} rows into {num_parts} non-empty parts")
+    points = [k * num_rows // num_parts for k in range(num_parts + 1)]
+    return [UBatchSlice(slice(lo, hi), slice(lo, hi)) for lo, hi in itertools.pairwise(points)]
 
-    A request cut by a split point keeps, in the earlier slice, a context that ends with that
-    slice's last token; its later part sees the whole context, the earlier part's KV included.
-    """
-    query_start = metadata.query_start_loc_cpu.tolist()
-    seq_lens = metadata.seq_lens_cpu.tolist()
-    device = metadata.query_start_loc.device
-    out = []
-    for s in slices:
-        t0, t1 = s.token_slice.start, s.token_slice.stop
-        query_lens, ctx_lens = [], []
-        for r in range(s.request_slice.start, s.request_slice.stop):
-            q0, q1 = max(query_start[r], t0), min(query_start[r + 1], t1)
-            query_lens.append(q1 - q0)
-            ctx_lens.append(seq_lens[r] - (query_start[r + 1] - q1))
-        out.append(
-            build_attention_metadata(
-                query_lens,
-                ctx_lens,
-                metadata.block_table[s.request_slice],
-                metadata.slot_mapping[t0:t1],
-                device=device,
-                causal=metadata.causal,
-            )
+
+MetadataSplitter = Callable[[Any, Sequence[UBatchSlice]], Sequence[Any]]
+
+
+_SPLITTERS: dict[type, MetadataSplitter] = {}
+_NOT_METADATA_SPLIT = (str, bytes, bytearray, torch.Tensor)  # their split() means something else
+
+
+def register_metadata_splitter(cls: type, splitter: MetadataSplitter) -> None:
+    """Let ``UBatchWrapper`` split per-layer metadata of type ``cls`` (and its subclasses), for
+    types one cannot give a ``split`` method: ``splitter(metadata, slices)`` returns one
+    metadata per slice. A registered splitter takes precedence over a ``split`` method."""
+    if not isinstance(cls, type):
+        raise TypeError(f"register_metadata_splitter needs a type, got {cls!r}")
+    if not callable(splitter):
+        raise TypeError(f"the splitter for {cls.__name__} must be callable, got {type(splitter).__name__}")
+    _SPLITTERS[cls] = splitter
+
+
+def split_metadata(metadata: Any, slices: Sequence[UBatchSlice], *, name: str = "metadata") -> list[Any]:
+    """One metadata object per slice, from the splitter registered for its type or its own
+    ``split(slices)`` method; ``name`` says where the metadata came from in errors."""
+    splitter = next((_SPLITTERS[c] for c in type(metadata).__mro__ if c in _SPLITTERS), None)
+    if splitter is not None:
+        parts = splitter(metadata, slices)
+    elif not isinstance(metadata, _NOT_METADATA_SPLIT) and callable(getattr(metadata, "split", None)):
+        parts = metadata.split(slices)
+    else:
+        kind = type(metadata).__name__
+        raise TypeError(
+            f"{name} is a {kind}, which UBatchWrapper cannot split: give {kind} a split(slices) -> list "
+            f"method, register a splitter with ubatch.slicing.register_metadata_splitter({kind}, fn), "
+            f"or pass the metadata as a per-ubatch list of dicts"
         )
-    return out
+    parts = list(parts)
+    if len(parts) != len(slices):
+        raise ValueError(
+            f"splitting {name} ({type(metadata).__name__}) gave {len(parts)} parts for {len(slices)} slices"
+        )
+    return parts
 
 
 def slices_total(slices: Sequence[UBatchSlice]) -> int:
@@ -138,6 +189,9 @@ def slices_total(slices: Sequence[UBatchSlice]) -> int:
 
 def check_slices(slices: Sequence[UBatchSlice]) -> None:
     """Raise ValueError unless the slices are contiguous, in order and non-empty."""
+    if isinstance(slices, (str, bytes)) or not isinstance(slices, Sequence):
+        raise TypeError(f"ubatch_slices must be a sequence of UBatchSlice (see split_batch), "
+                        f"got {type(slices).__name__}")
     expected = 0
     for i, s in enumerate(slices):
         if not isinstance(s, UBatchSlice):

@@ -13,7 +13,7 @@ from ubatch.attention.backends import (
 )
 from ubatch.attention.kv_cache import BlockPool, PagedKVCache, write_kv
 from ubatch.attention.layer import Attention, get_attention_context
-from ubatch.attention.metadata import AttentionMetadata, build_attention_metadata
+from ubatch.attention.metadata import AttentionMetadata, build_attention_metadata, split_attn_metadata
 
 __all__ = [
     "Attention",
@@ -27,5 +27,6 @@ __all__ = [
     "build_attention_metadata",
     "get_attention_context",
     "get_backend",
+    "split_attn_metadata",
     "write_kv",
 ]

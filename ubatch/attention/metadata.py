@@ -1,9 +1,10 @@
-"""Per-step attention metadata for a flattened variable-length batch."""
+"""Per-step attention metadata for a flattened variable-length batch, and its split into ubatches."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,11 @@ class AttentionMetadata:
     def query_lens(self) -> list[int]:
         """Each request's query length, from the CPU copy (no device sync)."""
         return torch.diff(self.query_start_loc_cpu).tolist()
+
+    def split(self, slices: Sequence[Any]) -> list[AttentionMetadata]:
+        """One metadata per ubatch slice (the protocol ``UBatchWrapper`` splits metadata by);
+        see ``split_attn_metadata``."""
+        return split_attn_metadata(self, slices)
 
 
 def build_attention_metadata(
@@ -97,3 +103,39 @@ def build_attention_metadata(
         seq_lens_cpu=seq_lens_cpu,
         causal=causal,
     )
+
+
+def split_attn_metadata(metadata: AttentionMetadata, slices: Sequence[Any]) -> list[AttentionMetadata]:
+    """One AttentionMetadata per slice (``ubatch.UBatchSlice``: a ``request_slice`` and a
+    ``token_slice`` of this batch).
+
+    A request cut by a split point keeps, in the earlier slice, a context that ends with that
+    slice's last token; its later part sees the whole context, the earlier part's KV included.
+    """
+    query_start = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    device = metadata.query_start_loc.device
+    out = []
+    for i, s in enumerate(slices):
+        if s.request_slice.stop > metadata.num_reqs:
+            raise ValueError(
+                f"ubatch slice {i} has request_slice={s.request_slice}, beyond the metadata's "
+                f"{metadata.num_reqs} requests"
+            )
+        t0, t1 = s.token_slice.start, s.token_slice.stop
+        query_lens, ctx_lens = [], []
+        for r in range(s.request_slice.start, s.request_slice.stop):
+            q0, q1 = max(query_start[r], t0), min(query_start[r + 1], t1)
+            query_lens.append(q1 - q0)
+            ctx_lens.append(seq_lens[r] - (query_start[r + 1] - q1))
+        out.append(
+            build_attention_metadata(
+                query_lens,
+                ctx_lens,
+                metadata.block_table[s.request_slice],
+                metadata.slot_mapping[t0:t1],
+                device=device,
+                causal=metadata.causal,
+            )
+        )
+    return out
