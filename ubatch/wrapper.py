@@ -20,6 +20,7 @@ from ubatch.context import (
     is_forward_context_available,
     override_forward_context,
 )
+from ubatch.intercept import intercepting_collectives
 from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler
 from ubatch.slicing import UBatchSlice, check_slices, is_tensor_batched, slices_total, split_attn_metadata
 from ubatch.sm import SMPartition
@@ -195,7 +196,8 @@ class UBatchWrapper:
             ub_args, ub_kwargs = slice_arguments(args, kwargs, s, total)
             tasks.append(functools.partial(self._runnable, *ub_args, **ub_kwargs))
         with self.sm_partition.compute_context() if self.sm_partition else contextlib.nullcontext():
-            outputs = islands.run_ubatches(self.scheduler.run, tasks, self._contextualize)
+            with intercepting_collectives():
+                outputs = islands.run_ubatches(self.scheduler.run, tasks, self._contextualize)
         return merge_outputs(outputs)
 
     def _slices(self) -> list[UBatchSlice] | None:
