@@ -42,7 +42,9 @@ class ExpertParallelExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up_proj[mine].detach().clone())
         self.down_proj = nn.Parameter(down_proj[mine].detach().clone())
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         tokens, top_k = top_k_index.shape
         expert = top_k_index.reshape(-1)
         order = torch.argsort(expert, stable=True)  # assignments grouped by expert, so by rank

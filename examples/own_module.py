@@ -45,7 +45,8 @@ def build_model(rank: int, world: int) -> nn.Sequential:
     gen = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(LAYERS):
-        up, down = torch.randn(FFN, HIDDEN, generator=gen) / HIDDEN**0.5, torch.randn(HIDDEN, FFN, generator=gen) / FFN**0.5
+        up = torch.randn(FFN, HIDDEN, generator=gen) / HIDDEN**0.5
+        down = torch.randn(HIDDEN, FFN, generator=gen) / FFN**0.5
         layers.append(TensorParallelMLP(up, down, rank, world))
     return nn.Sequential(*layers)
 

@@ -2,6 +2,8 @@
 that the wrapped model equals the unwrapped one (float32, rtol = atol = 1e-5) and, with two ranks,
 that its layers ran interleaved across ubatches; it exits non-zero otherwise."""
 
+import ast
+import os
 import subprocess
 import sys
 
@@ -11,11 +13,8 @@ from tests.dist_utils import REPO, torchrun
 
 
 def _python(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": REPO}
-    import os
-
-    return subprocess.run([sys.executable, *args], cwd=REPO, env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=timeout_s)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def _check(result: subprocess.CompletedProcess, interleaved: bool) -> None:
@@ -56,6 +55,6 @@ def test_transformers_tp_example_on_cuda_runs_each_ubatch_on_its_own_stream():
     _check(result, interleaved=False)
     for line in result.stdout.splitlines():
         if "streams per ubatch" in line:
-            streams = eval(line.split("streams per ubatch ", 1)[1])  # {ubatch: [stream ids]}
+            streams = ast.literal_eval(line.split("streams per ubatch ", 1)[1])  # {ubatch: [stream ids]}
             ids = [s for per_ubatch in streams.values() for s in per_ubatch]
             assert all(len(v) == 1 for v in streams.values()) and len(set(ids)) == len(ids), line

@@ -305,6 +305,6 @@ def test_user_expert_parallel_all_to_all_overlaps():
     run_distributed(_expert_parallel_overlaps, 2)
 
 
-# DTensor's redistribute and (d), a transformers Llama loaded with tp_plan="auto", runs as examples/transformers_tp.py under torchrun
-# (tests/test_examples.py): its DeviceMesh keeps the default group referenced past destroy_process_group,
-# which the teardown check of these spawned ranks refuses.
+# DTensor's redistribute, and (d) a transformers Llama loaded with tp_plan="auto", run as
+# examples/transformers_tp.py under torchrun (tests/test_examples.py): a DeviceMesh keeps the default
+# group referenced past destroy_process_group, which the teardown check of these spawned ranks refuses.
