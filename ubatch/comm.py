@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,12 +71,17 @@ class CollectiveHandle:
         self.op_name = op_name
         self.pending: scheduler.PendingCollective | None = None
         self.work: Any = None
+        self.timeout: timedelta | None = None
         self._waited = False
 
-    def wait(self) -> bool:
-        """Wait for the collective (once; later calls return at once). Always True."""
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the collective (once; later calls return at once), as ``Work.wait``: inside a
+        ubatch on CPU ``timeout`` replaces the scheduler's. Always True."""
         if not self._waited:
             self._waited = True
+            self.timeout = timeout
+            if timeout is not None and self.pending is not None:
+                self.pending.timeout = timeout.total_seconds()
             run_island(self._finish)
         return True
 
@@ -87,7 +93,7 @@ class CollectiveHandle:
         if self.pending is not None:
             scheduler.current_ubatch().finish_collective(self.pending)
         elif self.work is not None:
-            self.work.wait()
+            self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
 
 
 def _run(

@@ -20,6 +20,7 @@ from ubatch.context import (
     is_forward_context_available,
     override_forward_context,
 )
+from ubatch.intercept import intercepting_collectives
 from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler, check_num_ubatches
 from ubatch.slicing import UBatchSlice, check_slices, even_slices, is_tensor_batched, slices_total, split_metadata
 from ubatch.sm import SMPartition
@@ -189,7 +190,8 @@ class UBatchWrapper(torch.nn.Module):
             return self.module(*args, **kwargs)
         tasks = [functools.partial(self.module, *a, **k) for a, k in self._arguments.split(args, kwargs, slices)]
         with self.sm_partition.compute_context() if self.sm_partition else contextlib.nullcontext():
-            outputs = islands.run_ubatches(self.scheduler.run, tasks, self._contextualize)
+            with intercepting_collectives():
+                outputs = islands.run_ubatches(self.scheduler.run, tasks, self._contextualize)
         return merge_outputs(outputs, [s.num_tokens for s in slices], self._arguments.merge_dim)
 
     def _slices(self, args: tuple, kwargs: dict) -> list[UBatchSlice] | None:
