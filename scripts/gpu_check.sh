@@ -15,7 +15,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash: on request
+parts=${GPU_CHECK_PARTS:-tests modes sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -67,6 +67,16 @@ if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as t
     python3 scripts/comm_waits.py "$OUT"/profiles/profile${tag}_rank{0,1}.json.gz | tee -a "$OUT/comm_waits.log"
   done
   tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
+fi
+if want modes; then  # one H200: every overlap mode from graphs, no communication, then over the link stand-in
+  # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
+  modes="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --modes overlap,pipeline2,pipeline4,split2,split2+pipeline2"
+  run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
+  run1 120 $modes --preset moe-bench --workload decode --tokens 256,1024 --out "$OUT/modes_moe_decode_nocomm.json" | tail -12
+  run1 120 $modes --preset moe-bench --workload decode --tokens 256,1024 --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -14
+  run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -9
+  run1 120 $modes --preset deepseek-bench --workload decode --tokens 256,1024 --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -14
+  run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -9
 fi
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, flash right after
 want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa

@@ -14,6 +14,7 @@ allocator hazard in DESIGN.md).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,11 +38,19 @@ def _world_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+issuing: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_comm_issuing", default=False)
+"""True while this module calls torch.distributed: ``ubatch.intercept`` leaves such calls alone."""
+
+
 def _call(op_name: str, group: Any, *args: Any, async_op: bool, **kwargs: Any) -> Any:
     """torch.distributed's ``op_name`` over ``group``, or the link stand-in's method of that name."""
     if is_link(group):
         return getattr(group, op_name)(*args, async_op=async_op, **kwargs)
-    return getattr(dist, op_name)(*args, group=group, async_op=async_op, **kwargs)
+    token = issuing.set(True)
+    try:
+        return getattr(dist, op_name)(*args, group=group, async_op=async_op, **kwargs)
+    finally:
+        issuing.reset(token)
 
 
 def _check_tensor(name: str, value: Any) -> None:

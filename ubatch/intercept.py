@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -173,7 +172,7 @@ class CollectiveInterceptor(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         entry = _c10d_handlers().get(func)
-        if entry is None or scheduler.current_ubatch() is None or _issued_by_comm():
+        if entry is None or scheduler.current_ubatch() is None or comm.issuing.get():
             return func(*args, **kwargs)
         signature, handle = entry
         try:
@@ -269,21 +268,6 @@ class _FunctionalOpsSwap:
 
 
 _functional_ops_swap = _FunctionalOpsSwap()
-
-
-def _issued_by_comm() -> bool:
-    """Whether ``ubatch.comm`` issued this call: its launch is the overlapped one already.
-
-    Each ubatch runs on its own greenlet, whose frame chain ends at that ubatch's task, so the
-    walk is bounded by the model's call depth; it runs only for the collectives themselves.
-    """
-    frame = sys._getframe(2)
-    comm_globals = vars(comm)
-    while frame is not None:
-        if frame.f_globals is comm_globals:
-            return True
-        frame = frame.f_back
-    return False
 
 
 @contextlib.contextmanager
