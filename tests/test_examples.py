@@ -13,7 +13,7 @@ from tests.dist_utils import REPO, torchrun
 
 
 def _python(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
