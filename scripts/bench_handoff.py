@@ -15,7 +15,7 @@ import time
 import torch
 
 from ubatch import set_forward_context
-from ubatch.scheduler import UbatchScheduler, yield_ubatch
+from ubatch.scheduler import UBatchScheduler, yield_ubatch
 from ubatch.slicing import split_batch
 from ubatch.wrapper import UBatchWrapper
 
@@ -43,7 +43,7 @@ def _task(yields: int):
 
 
 def measure(num_ubatches: int, repeats: int) -> dict:
-    sched = UbatchScheduler(num_ubatches, "cpu")
+    sched = UBatchScheduler(num_ubatches, "cpu")
     few, many = 0, 64
     t_few = _median_us(lambda: sched.run([_task(few)] * num_ubatches), repeats)
     t_many = _median_us(lambda: sched.run([_task(many)] * num_ubatches), repeats)

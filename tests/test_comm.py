@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from ubatch import comm
-from ubatch.scheduler import UbatchScheduler, current_ubatch, current_ubatch_id
+from ubatch.scheduler import UBatchScheduler, current_ubatch, current_ubatch_id
 from ubatch.slicing import split_batch
 
 
@@ -36,7 +36,7 @@ def _ubatched_equals_plain(rank, world_size, n):
     torch.manual_seed(rank)
     slices = split_batch([4] * n, n)
     x = torch.randn(4 * n, 3)
-    got = UbatchScheduler(n, "cpu").run([functools.partial(_collectives, x[s.token_slice]) for s in slices])
+    got = UBatchScheduler(n, "cpu").run([functools.partial(_collectives, x[s.token_slice]) for s in slices])
     for ubatch, s in zip(got, slices):
         for g, e in zip(ubatch, _collectives(x[s.token_slice])):
             torch.testing.assert_close(g, e)
@@ -63,7 +63,7 @@ def test_single_process_collectives_still_yield_inside_ubatches():
         comm.all_reduce(x)
         order.append((current_ubatch_id(), "after"))
 
-    UbatchScheduler(2, "cpu").run([task, task])
+    UBatchScheduler(2, "cpu").run([task, task])
     assert order == [(0, "before"), (1, "before"), (0, "after"), (1, "after")]
 
 
@@ -84,7 +84,7 @@ def _peer_missing(rank, world_size):
         for _ in range(2):
             dist.all_reduce(torch.ones(2))
         return
-    sched = UbatchScheduler(2, "cpu", timeout_s=2)
+    sched = UBatchScheduler(2, "cpu", timeout_s=2)
 
     def task():
         comm.all_reduce(torch.ones(2))
@@ -120,7 +120,7 @@ class _FailingWork:
      "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
 ])
 def test_a_failed_wait_says_whether_the_peer_left_or_time_ran_out(message, expected):
-    sched = UbatchScheduler(2, "cpu", timeout_s=7)
+    sched = UBatchScheduler(2, "cpu", timeout_s=7)
 
     def task():
         if current_ubatch_id() == 1:
@@ -136,7 +136,7 @@ def _peer_exits(rank, world_size):
     if rank == 1:
         time.sleep(0.5)
         os._exit(0)  # gone without a word: rank 0's pending all-reduce sees the connection close
-    sched = UbatchScheduler(2, "cpu", timeout_s=60)
+    sched = UBatchScheduler(2, "cpu", timeout_s=60)
 
     def task():
         comm.all_reduce(torch.ones(2))

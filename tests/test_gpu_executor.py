@@ -12,7 +12,7 @@ from tests.test_ubatch_models import MODELS, check_ubatched_equals_unsplit, para
 from ubatch import set_forward_context
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
-from ubatch.scheduler import UbatchScheduler, current_ubatch, yield_ubatch
+from ubatch.scheduler import UBatchScheduler, current_ubatch, yield_ubatch
 from ubatch.sm import SMPartition
 from ubatch.wrapper import UBatchWrapper
 
@@ -31,7 +31,7 @@ def test_ubatched_equals_unsplit_on_cuda(model_kind, num_ubatches, kind):
 
 @pytest.mark.cuda
 def test_each_ubatch_runs_on_its_own_stream_and_the_callers_is_restored():
-    sched = UbatchScheduler(3, "cuda")
+    sched = UBatchScheduler(3, "cuda")
     sched.prepare()
     seen = []
 

@@ -19,7 +19,7 @@ from torch.overrides import _get_current_function_mode_stack
 from tests.dist_utils import run_distributed
 from ubatch import UBatchWrapper, comm, current_ubatch_id, set_forward_context, split_batch
 from ubatch.intercept import CollectiveInterceptor
-from ubatch.scheduler import UbatchScheduler
+from ubatch.scheduler import UBatchScheduler
 from ubatch.teardown import import_before_init
 
 # Spawned ranks import this module before init_process_group. Functional collectives import
@@ -173,13 +173,13 @@ def test_intercepted_collectives_overlap_over_nccl():
 
 def _yields_once_per_collective(rank, world):
     yields = []
-    original = UbatchScheduler._yield_from
+    original = UBatchScheduler._yield_from
 
     def counting(self, state):
         yields.append(state.ubatch_id)
         original(self, state)
 
-    UbatchScheduler._yield_from = counting
+    UBatchScheduler._yield_from = counting
     events = []
 
     def explicit(x):

@@ -27,7 +27,7 @@ from ubatch.link import (
     is_link,
     parse_link,
 )
-from ubatch.scheduler import UbatchScheduler, current_ubatch
+from ubatch.scheduler import UBatchScheduler, current_ubatch
 
 FAST = 1e6  # GB/s: CPU transfers that take no measurable time
 
@@ -158,7 +158,7 @@ def test_the_scheduler_waits_on_a_cpu_link_work():
             return outputs[i].sum().item()
         return run
 
-    assert UbatchScheduler(2, "cpu").run([task(0), task(1)]) == [0.0, 2_500.0]
+    assert UBatchScheduler(2, "cpu").run([task(0), task(1)]) == [0.0, 2_500.0]
     assert link.bytes_moved == 2 * inputs[0].nbytes // 2
 
 
@@ -500,7 +500,7 @@ def test_cuda_first_use_inside_a_capture_asks_for_prepare():
 @pytest.mark.cuda
 def test_cuda_link_on_the_schedulers_comm_stream():
     link = HostLink(2)
-    sched = UbatchScheduler(2, "cuda")
+    sched = UBatchScheduler(2, "cuda")
     inputs = [torch.randn(2, 1 << 20, device="cuda") for _ in range(2)]
     outputs = [torch.zeros_like(x) for x in inputs]
 

@@ -16,7 +16,7 @@ import torch
 
 from ubatch import comm
 from ubatch.context import ForwardContext, get_forward_context, override_forward_context
-from ubatch.scheduler import MAX_UBATCHES, UbatchScheduler, current_ubatch_id, yield_ubatch
+from ubatch.scheduler import MAX_UBATCHES, UBatchScheduler, current_ubatch_id, yield_ubatch
 
 
 def _stepper(log, steps):
@@ -32,7 +32,7 @@ def _stepper(log, steps):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_round_robin_order_is_deterministic(n):
-    sched = UbatchScheduler(n, "cpu")
+    sched = UBatchScheduler(n, "cpu")
     log = []
     results = sched.run([_stepper(log, 3) for _ in range(n)])
     assert results == list(range(n))
@@ -40,7 +40,7 @@ def test_round_robin_order_is_deterministic(n):
 
 
 def test_uneven_ubatches_finish_independently():
-    sched = UbatchScheduler(3, "cpu")
+    sched = UBatchScheduler(3, "cpu")
     log = []
     results = sched.run([_stepper(log, 1), _stepper(log, 3), _stepper(log, 2)])
     assert results == [0, 1, 2]
@@ -48,7 +48,7 @@ def test_uneven_ubatches_finish_independently():
 
 
 def test_fewer_tasks_than_ubatches_and_too_many():
-    sched = UbatchScheduler(4, "cpu")
+    sched = UBatchScheduler(4, "cpu")
     assert sched.run([_stepper([], 2)]) == [0]
     with pytest.raises(ValueError, match="1 to 4 ubatches, got 5"):
         sched.run([_stepper([], 1)] * 5)
@@ -62,30 +62,30 @@ def test_yield_and_id_outside_a_ubatch_are_noops():
 @pytest.mark.parametrize("bad", [0, -1, MAX_UBATCHES + 1, 10**6])
 def test_num_ubatches_out_of_range(bad):
     with pytest.raises(ValueError, match=f"num_ubatches must be between 1 and MAX_UBATCHES=16, got {bad}"):
-        UbatchScheduler(bad, "cpu")
+        UBatchScheduler(bad, "cpu")
 
 
 @pytest.mark.parametrize("bad", [1.5, "2", True, None])
 def test_num_ubatches_of_the_wrong_type(bad):
     with pytest.raises(TypeError, match=f"num_ubatches must be an int, got {bad!r}"):
-        UbatchScheduler(bad, "cpu")
+        UBatchScheduler(bad, "cpu")
 
 
 def test_cuda_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="device='cuda' asks for CUDA, but torch.cuda.is_available"):
-        UbatchScheduler(2, "cuda")
+        UBatchScheduler(2, "cuda")
 
 
 def test_bad_timeout_and_streams_on_cpu():
     with pytest.raises(ValueError, match="timeout_s"):
-        UbatchScheduler(2, "cpu", timeout_s=0)
+        UBatchScheduler(2, "cpu", timeout_s=0)
     with pytest.raises(ValueError, match="not CUDA"):
-        UbatchScheduler(2, "cpu", comm_stream=object())
+        UBatchScheduler(2, "cpu", comm_stream=object())
 
 
 def test_each_ubatch_sees_its_own_forward_context():
-    sched = UbatchScheduler(3, "cpu")
+    sched = UBatchScheduler(3, "cpu")
     seen = []
 
     def task_for(i):
@@ -106,7 +106,7 @@ def test_each_ubatch_sees_its_own_forward_context():
 
 
 def test_grad_mode_is_the_callers_and_restored():
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
 
     def task():
         states = [torch.is_grad_enabled()]
@@ -129,7 +129,7 @@ class Boom(Exception):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("fail_step", [0, 1, 2])
 def test_failure_in_any_ubatch_aborts_the_rest_and_is_reraised(n, fail_step):
-    sched = UbatchScheduler(n, "cpu")
+    sched = UBatchScheduler(n, "cpu")
     for failing in range(n):
         started, cleaned = set(), set()
 
@@ -155,7 +155,7 @@ def test_failure_in_any_ubatch_aborts_the_rest_and_is_reraised(n, fail_step):
 
 
 def test_exception_type_is_kept_for_base_exceptions():
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
 
     def task():
         if current_ubatch_id() == 1:
@@ -168,7 +168,7 @@ def test_exception_type_is_kept_for_base_exceptions():
 
 
 def test_run_is_not_reentrant():
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
 
     def task():
         sched.run([_stepper([], 1)] * 2)
@@ -178,7 +178,7 @@ def test_run_is_not_reentrant():
 
 
 def test_no_thread_or_greenlet_leak_over_many_calls():
-    sched = UbatchScheduler(3, "cpu")
+    sched = UBatchScheduler(3, "cpu")
     tasks = [_stepper([], 2) for _ in range(3)]
     sched.run(tasks)
     gc.collect()
@@ -192,7 +192,7 @@ def test_no_thread_or_greenlet_leak_over_many_calls():
 
 
 def test_one_scheduler_from_two_threads():
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
     results, errors = {}, []
 
     def worker(name):
@@ -219,7 +219,7 @@ def test_a_live_scheduler_keeps_no_task_or_context_of_a_finished_run():
 
     gc.disable()
     try:
-        scheduler = UbatchScheduler(2, "cpu")
+        scheduler = UBatchScheduler(2, "cpu")
         for _ in range(2):
             payloads = [Payload(), Payload()]
             held = [weakref.ref(p) for p in payloads]
@@ -252,7 +252,7 @@ def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_g
 
     gc.disable()
     try:
-        scheduler = UbatchScheduler(2, "cpu")
+        scheduler = UBatchScheduler(2, "cpu")
         outputs = scheduler.run([task, task])
         assert len(outputs) == 2
         del outputs
@@ -279,7 +279,7 @@ def _check_next_call_is_clean(sched, n):
 
 
 def test_an_aborted_ubatch_whose_finally_yields_is_finished_before_the_next_call():
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
     cleaned = []
 
     def with_cleanup_collective():
@@ -298,13 +298,13 @@ def test_an_aborted_ubatch_whose_finally_yields_is_finished_before_the_next_call
     with pytest.raises(Boom):
         sched.run([with_cleanup_collective, failing])
     _check_next_call_is_clean(sched, 2)
-    assert cleaned == [], "the clean-up's yield raises UbatchAborted again, so the rest of it never ran"
+    assert cleaned == [], "the clean-up's yield raises UBatchAborted again, so the rest of it never ran"
 
 
 @pytest.mark.parametrize("yields_after_catching", [1, 3, 10_000])
 def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(
         yields_after_catching, caplog):
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
 
     def stubborn():
         for _ in range(yields_after_catching + 1):
@@ -326,7 +326,7 @@ def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown
 
 
 def test_a_task_that_swallows_the_abort_and_returns_leaves_nothing_behind():
-    sched = UbatchScheduler(3, "cpu")
+    sched = UBatchScheduler(3, "cpu")
 
     def swallowing():
         try:
@@ -348,7 +348,7 @@ def test_a_task_that_swallows_the_abort_and_returns_leaves_nothing_behind():
 @pytest.mark.parametrize("where", ["_enter", "_leave"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_an_interrupt_on_the_driver_between_switches_leaves_no_stale_result(where, n, monkeypatch):
-    sched = UbatchScheduler(n, "cpu")
+    sched = UBatchScheduler(n, "cpu")
     original = getattr(sched, where)
     for interrupt_at in range(1, 3 * n + 1):
         calls = [0]
@@ -369,7 +369,7 @@ def test_an_interrupt_on_the_driver_between_switches_leaves_no_stale_result(wher
 def test_a_real_sigint_at_random_moments_never_gives_a_stale_result():
     """SIGINT at a random point of a call (timed by SIGALRM, whose handler sends it): the call
     raises KeyboardInterrupt or returns its own results, and so does every later call."""
-    sched = UbatchScheduler(3, "cpu")
+    sched = UBatchScheduler(3, "cpu")
     rng = random.Random(0)
     armed = [False]
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ubatch.scheduler import UbatchScheduler, current_ubatch_id, yield_ubatch
+from ubatch.scheduler import UBatchScheduler, current_ubatch_id, yield_ubatch
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def _drive(sched, name, grad, steps, report):
 
 def _run_two_threads(steps):
     """Two threads, one under torch.no_grad and one with grad, drive one scheduler."""
-    sched = UbatchScheduler(2, "cpu")
+    sched = UBatchScheduler(2, "cpu")
     report = {"no_grad": [], "grad": []}
     threads = [threading.Thread(target=_drive, args=(sched, name, name == "grad", steps, report))
                for name in report]

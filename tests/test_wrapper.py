@@ -143,10 +143,10 @@ def test_more_bad_inputs_name_the_problem():
     with set_forward_context(42, ubatch_slices=split_batch([4, 4], 2)):
         with pytest.raises(TypeError, match="attn_metadata must be a dict, a per-ubatch list of dicts, or None; got int"):
             wrapper(torch.zeros(8))
-    from ubatch.scheduler import UbatchScheduler
+    from ubatch.scheduler import UBatchScheduler
 
     with pytest.raises(ValueError, match="the scheduler runs 2 ubatches but num_ubatches=3"):
-        UBatchWrapper(lambda x: x, num_ubatches=3, scheduler=UbatchScheduler(2, "cpu"))
+        UBatchWrapper(lambda x: x, num_ubatches=3, scheduler=UBatchScheduler(2, "cpu"))
     with pytest.raises(RuntimeError, match="no forward context is set"):
         get_forward_context()
     with pytest.raises(TypeError, match="override_forward_context expects a ForwardContext or None, got int"):

@@ -41,13 +41,13 @@ every pipeline stage fills and drains once per layer, so the overlap a split can
 2x) is gone long before this; the cap also stops a typo from building states by the million."""
 
 ABORT_ATTEMPTS = 8
-"""How often an aborted ubatch is thrown ``UbatchAborted`` again when it yields while unwinding
+"""How often an aborted ubatch is thrown ``UBatchAborted`` again when it yields while unwinding
 (a cleanup collective in a ``finally``) before its worker is discarded as refusing to stop."""
 
-_current: contextvars.ContextVar[UbatchState | None] = contextvars.ContextVar("ubatch_state", default=None)
+_current: contextvars.ContextVar[UBatchState | None] = contextvars.ContextVar("ubatch_state", default=None)
 
 
-class UbatchAborted(BaseException):
+class UBatchAborted(BaseException):
     """Thrown into a suspended ubatch when another one failed; never escapes the scheduler."""
 
 
@@ -57,7 +57,7 @@ class Outcome(enum.Enum):
     YIELD = "yield"  # suspended; resume it later
     DONE = "done"  # the task returned; its value is on the state
     ERROR = "error"  # the task raised; the exception is on the state
-    ABORTED = "aborted"  # the task unwound after ``UbatchAborted``
+    ABORTED = "aborted"  # the task unwound after ``UBatchAborted``
 
 
 def check_num_ubatches(value: object, *, minimum: int = 1) -> int:
@@ -69,7 +69,7 @@ def check_num_ubatches(value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
-def current_ubatch() -> UbatchState | None:
+def current_ubatch() -> UBatchState | None:
     """The running ubatch's state, or None outside a ubatch."""
     return _current.get()
 
@@ -88,11 +88,11 @@ def yield_ubatch() -> None:
 
 
 @dataclass
-class UbatchState:
+class UBatchState:
     """One ubatch's identity, streams and the events that order its work."""
 
     ubatch_id: int
-    scheduler: UbatchScheduler
+    scheduler: UBatchScheduler
     compute_stream: Any = None
     handoff_event: Any = None
     comm_ready_event: Any = None
@@ -206,13 +206,13 @@ class _Pool:
     and a state's outcome and grad mode belong to the thread driving it)."""
 
     workers: list[greenlet.greenlet] = field(default_factory=list)
-    states: list[UbatchState] = field(default_factory=list)
+    states: list[UBatchState] = field(default_factory=list)
     driver: greenlet.greenlet | None = None
     entered: set[int] = field(default_factory=set)  # ubatches whose streams the current call used
     comm_stream_used: bool = False
 
 
-class UbatchScheduler:
+class UBatchScheduler:
     """Runs callables as ubatches; see the module docstring for the ordering rules."""
 
     def __init__(
@@ -257,10 +257,10 @@ class UbatchScheduler:
             self.compute_streams = list(compute_streams or [torch.cuda.Stream() for _ in range(self.num_ubatches)])
             self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
 
-    def _make_state(self, i: int) -> UbatchState:
+    def _make_state(self, i: int) -> UBatchState:
         # A weak back-reference: a cycle would leave the scheduler, its pool and its parked
         # greenlets to the garbage collector, which may only run them down at interpreter exit.
-        state = UbatchState(ubatch_id=i, scheduler=weakref.proxy(self))
+        state = UBatchState(ubatch_id=i, scheduler=weakref.proxy(self))
         if self.is_cuda:
             state.compute_stream = self.compute_streams[i]
             state.handoff_event = torch.cuda.Event()
@@ -309,7 +309,7 @@ class UbatchScheduler:
 
         Each task sees a copy of the caller's context variables (the forward context included)
         and the caller's grad mode. If one raises, the others are aborted (those not yet started
-        never start; a suspended one gets ``UbatchAborted`` at every yield until it ends), and
+        never start; a suspended one gets ``UBatchAborted`` at every yield until it ends), and
         the exception is re-raised here with the ubatch id noted. However a call ends, a
         return, an exception or an interrupt, no task of it is left to run into the next call.
         """
@@ -318,7 +318,7 @@ class UbatchScheduler:
             raise ValueError(f"this scheduler runs 1 to {self.num_ubatches} ubatches, got {n} tasks")
         pool = self._pool()
         if pool.driver is not None:
-            raise RuntimeError("UbatchScheduler.run is not re-entrant: a ubatch called it again")
+            raise RuntimeError("UBatchScheduler.run is not re-entrant: a ubatch called it again")
         caller_stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
         grad_enabled = torch.is_grad_enabled()
         try:
@@ -351,7 +351,7 @@ class UbatchScheduler:
             state.grad_enabled = grad_enabled
         results: list[Any] = [None] * n
         active = list(range(n))
-        previous: UbatchState | None = None
+        previous: UBatchState | None = None
         while active:
             for i in list(active):
                 state = states[i]
@@ -375,7 +375,7 @@ class UbatchScheduler:
                 results[i] = value
         return results
 
-    def _enter(self, pool: _Pool, state: UbatchState, previous: UbatchState | None) -> None:
+    def _enter(self, pool: _Pool, state: UBatchState, previous: UBatchState | None) -> None:
         pool.entered.add(state.ubatch_id)
         torch.set_grad_enabled(state.grad_enabled)
         if state.compute_stream is not None:
@@ -385,7 +385,7 @@ class UbatchScheduler:
         if self.trace:
             state.segment_start = self.trace.mark(state.compute_stream)
 
-    def _leave(self, state: UbatchState) -> None:
+    def _leave(self, state: UBatchState) -> None:
         state.grad_enabled = torch.is_grad_enabled()
         if self.trace:
             self.trace.add(state.ubatch_id, "compute", "compute", state.segment_start, self.trace.mark(state.compute_stream))
@@ -399,7 +399,7 @@ class UbatchScheduler:
                 self._abort(pool, i)
 
     def _abort(self, pool: _Pool, i: int) -> None:
-        """Throw ``UbatchAborted`` into ubatch i until its task ends; discard a worker that
+        """Throw ``UBatchAborted`` into ubatch i until its task ends; discard a worker that
         will not stop (a task that catches BaseException and keeps yielding)."""
         worker, state = pool.workers[i], pool.states[i]
         for _ in range(ABORT_ATTEMPTS):
@@ -407,8 +407,8 @@ class UbatchScheduler:
                 break
             self._enter(pool, state, None)
             try:
-                kind = worker.throw(UbatchAborted())
-            except UbatchAborted:
+                kind = worker.throw(UBatchAborted())
+            except UBatchAborted:
                 break  # it was parked (marked busy just before or after its task): the throw ended it
             finally:
                 self._leave(state)
@@ -433,7 +433,7 @@ class UbatchScheduler:
         if pool.comm_stream_used:  # joining an unused stream would break a graph capture
             caller_stream.wait_stream(self.comm_stream)
 
-    def _yield_from(self, state: UbatchState) -> None:
+    def _yield_from(self, state: UBatchState) -> None:
         self._local.pool.driver.switch(Outcome.YIELD)
 
     def _note_comm_stream_used(self) -> None:
@@ -463,13 +463,13 @@ def _worker_loop() -> None:
         state = task = context = None
 
 
-def _run_task(state: UbatchState, task: Callable[[], Any]) -> Outcome:
+def _run_task(state: UBatchState, task: Callable[[], Any]) -> Outcome:
     """Runs inside a copy of the caller's context, so the ubatch state set here dies with it."""
     _current.set(state)
     try:
         state.result = task()
         return Outcome.DONE
-    except UbatchAborted:
+    except UBatchAborted:
         return Outcome.ABORTED
     except greenlet.GreenletExit:  # the worker itself is being killed: let it die
         raise

@@ -196,7 +196,7 @@ class SMPartition:
         """One compute stream per ubatch and the comm stream, on this mode's partitions.
 
         On a non-CUDA device there are no streams: ``(None, None)``, which is what
-        ``UbatchScheduler(compute_streams=..., comm_stream=...)`` takes as "make none".
+        ``UBatchScheduler(compute_streams=..., comm_stream=...)`` takes as "make none".
         """
         if not isinstance(num_ubatches, int) or isinstance(num_ubatches, bool) or num_ubatches < 1:
             raise ValueError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")

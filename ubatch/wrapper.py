@@ -21,7 +21,7 @@ from ubatch.context import (
     override_forward_context,
 )
 from ubatch.intercept import intercepting_collectives
-from ubatch.scheduler import DEFAULT_TIMEOUT_S, UbatchScheduler, check_num_ubatches
+from ubatch.scheduler import DEFAULT_TIMEOUT_S, UBatchScheduler, check_num_ubatches
 from ubatch.slicing import UBatchSlice, check_slices, even_slices, is_tensor_batched, slices_total, split_metadata
 from ubatch.sm import SMPartition
 
@@ -134,7 +134,7 @@ class UBatchWrapper(torch.nn.Module):
         num_ubatches: int = 2,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        scheduler: UbatchScheduler | None = None,
+        scheduler: UBatchScheduler | None = None,
         sm_partition: SMPartition | None = None,
         batched: Mapping[ArgumentKey, int] | None = None,
         shared: Collection[ArgumentKey] = (),
@@ -143,8 +143,8 @@ class UBatchWrapper(torch.nn.Module):
         if not callable(runnable):
             raise TypeError(f"UBatchWrapper needs a callable runnable, got {type(runnable).__name__}")
         num_ubatches = check_num_ubatches(num_ubatches)
-        if scheduler is not None and not isinstance(scheduler, UbatchScheduler):
-            raise TypeError(f"scheduler must be a UbatchScheduler, got {type(scheduler).__name__}")
+        if scheduler is not None and not isinstance(scheduler, UBatchScheduler):
+            raise TypeError(f"scheduler must be a UBatchScheduler, got {type(scheduler).__name__}")
         if scheduler is not None and scheduler.num_ubatches < num_ubatches:
             raise ValueError(
                 f"the scheduler runs {scheduler.num_ubatches} ubatches but num_ubatches={num_ubatches}"
@@ -161,11 +161,11 @@ class UBatchWrapper(torch.nn.Module):
 
     @staticmethod
     def _make_scheduler(num_ubatches: int, device: Any, timeout_s: float,
-                        sm_partition: SMPartition | None) -> UbatchScheduler:
+                        sm_partition: SMPartition | None) -> UBatchScheduler:
         if sm_partition is None:
-            return UbatchScheduler(num_ubatches, device, timeout_s=timeout_s)
+            return UBatchScheduler(num_ubatches, device, timeout_s=timeout_s)
         compute_streams, comm_stream = sm_partition.make_streams(num_ubatches)
-        return UbatchScheduler(num_ubatches, device, timeout_s=timeout_s, compute_streams=compute_streams,
+        return UBatchScheduler(num_ubatches, device, timeout_s=timeout_s, compute_streams=compute_streams,
                                comm_stream=comm_stream, comm_group=sm_partition.comm_group)
 
     def unwrap(self) -> Callable[..., Any]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ubatch.bench.workload import Step
 from ubatch.context import set_forward_context
-from ubatch.scheduler import UbatchScheduler
+from ubatch.scheduler import UBatchScheduler
 from ubatch.trace import Interval, busy_ms, hidden_comm_fraction
 from ubatch.wrapper import UBatchWrapper
 
@@ -246,7 +246,7 @@ class EagerRuns:
         self.model, self.step, self.device = model, step, model.device
         self.wrapper = UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, sm_partition=sm_partition)
         self.wrapper.scheduler.prepare()
-        self.serial_scheduler = UbatchScheduler(1, self.device)
+        self.serial_scheduler = UBatchScheduler(1, self.device)
         self.serial_scheduler.prepare()
         self.slices = step.slices(num_ubatches)
 
@@ -273,7 +273,7 @@ class EagerRuns:
         return (statistics.median(sum(i.duration_ms for i in t if i.kind == "compute") for t in traces),
                 statistics.median(sum(i.duration_ms for i in t if i.kind == "comm") for t in traces))
 
-    def traced(self, fn: Callable[[], Any], scheduler: UbatchScheduler | None = None) -> list[Interval]:
+    def traced(self, fn: Callable[[], Any], scheduler: UBatchScheduler | None = None) -> list[Interval]:
         """``scheduler``'s (default: the wrapper's) timeline of one call of ``fn``, after an
         untraced call."""
         scheduler = scheduler or self.wrapper.scheduler
