@@ -26,8 +26,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ubatch
 
-CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 BATCH, SEQ = 6, 8
 
 
@@ -92,8 +99,10 @@ def main() -> None:
             ran = [(u, layer) for u, layer, _ in order]
             interleaved = ran == [(u, layer) for layer in range(layers) for u in range(n)]
             if rank == 0:
-                print(f"N={n}: equals the unwrapped and the single-process model: True; "
-                      f"decoder layer order {ran}; interleaved: {interleaved}")
+                print(
+                    f"N={n}: equals the unwrapped and the single-process model: True; "
+                    f"decoder layer order {ran}; interleaved: {interleaved}"
+                )
                 if device.type == "cuda":
                     streams = {u: sorted({s for v, _, s in order if v == u}) for u in range(n)}
                     print(f"N={n}: streams per ubatch {streams}")

@@ -248,7 +248,9 @@ def make_case(mode: str, comm_sms: int | None, device: torch.device) -> Case:
 def calibrate_comm_reps(work: Workload, kind: str, case: Case, repeats: int) -> int:
     """Ops per communication run so that M ~ C with default streams; equal on every rank."""
     compute, _ = measure([Job(case.compute_stream, work.compute_step, work.sizes.gemm_reps)], work.device, repeats)
-    one_op, _ = measure([Job(case.comm_stream, work.comm_step(kind, case.part.comm_group(None)), 1)], work.device, repeats)
+    one_op, _ = measure(
+        [Job(case.comm_stream, work.comm_step(kind, case.part.comm_group(None)), 1)], work.device, repeats
+    )
     reps = max(1, min(MAX_COMM_REPS, round(compute / max(one_op, 1e-6))))
     return int(slowest_rank([float(reps)], work.device)[0])
 
@@ -278,7 +280,9 @@ def run(
     if world_size < 2 and any(k != "copy" for k in kinds):
         raise SystemExit("all_to_all and all_reduce need two or more ranks (run under torchrun)")
     baseline = make_case("none", None, device)
-    cases = [make_case(mode, sms, device) for mode in args.modes for sms in ([None] if mode == "none" else args.comm_sms)]
+    cases = [
+        make_case(mode, sms, device) for mode in args.modes for sms in ([None] if mode == "none" else args.comm_sms)
+    ]
     checks = {f"{c.mode}:{c.comm_sms}": {"passed": c.self_check, "reason": c.part.reason} for c in cases}
     rows: list[Row] = []
     reps_by_kind: dict[str, int] = {}
@@ -288,11 +292,22 @@ def run(
         for case in cases:
             c, m, t, span, comm_span = bench_case(work, kind, case, reps, args.repeats)
             split = case.part.partition_sms()
-            rows.append(Row(
-                kind, case.mode, case.comm_sms, case.part.effective_mode, "-" if split is None else f"{split[0]}/{split[1]}",
-                c, m, t, hidden_fraction(c, m, t), span / c0 if c0 > 0 else 0.0, comm_span / m if m > 0 else 0.0,
-                (c0 + m0) / t if t > 0 else 0.0,
-            ))
+            rows.append(
+                Row(
+                    kind,
+                    case.mode,
+                    case.comm_sms,
+                    case.part.effective_mode,
+                    "-" if split is None else f"{split[0]}/{split[1]}",
+                    c,
+                    m,
+                    t,
+                    hidden_fraction(c, m, t),
+                    span / c0 if c0 > 0 else 0.0,
+                    comm_span / m if m > 0 else 0.0,
+                    (c0 + m0) / t if t > 0 else 0.0,
+                )
+            )
         report(rows, {"comm_reps": reps_by_kind, "self_checks": checks})
     return rows
 
@@ -311,14 +326,23 @@ def _init_distributed(dry_run: bool) -> tuple[torch.device, int, int]:
     return device, 0, 1
 
 
-def write_report(path: Path | None, args: argparse.Namespace, world_size: int, device: torch.device,
-                 rows: list[Row], extra: dict[str, Any]) -> None:
+def write_report(
+    path: Path | None,
+    args: argparse.Namespace,
+    world_size: int,
+    device: torch.device,
+    rows: list[Row],
+    extra: dict[str, Any],
+) -> None:
     """The JSON result file: configuration, calibration, self-checks and rows."""
     if path is None:
         return
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(world_size=world_size, torch=torch.__version__,
-                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    config.update(
+        world_size=world_size,
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": config, **extra, "rows": [asdict(r) for r in rows]}, indent=2))
 

@@ -74,8 +74,9 @@ def copy_gbps(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (median_ms(lambda: dst.copy_(src), device) * 1e-3) / 1e9
 
 
-def variants(gate_up: torch.Tensor, count: torch.Tensor, down_out: torch.Tensor
-             ) -> list[tuple[str, Callable[[], object], int]]:
+def variants(
+    gate_up: torch.Tensor, count: torch.Tensor, down_out: torch.Tensor
+) -> list[tuple[str, Callable[[], object], int]]:
     """(name, call, bytes it moves) for each variant over one expert buffer."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     elt = gate_up.element_size()
@@ -87,8 +88,7 @@ def variants(gate_up: torch.Tensor, count: torch.Tensor, down_out: torch.Tensor
 
     return [
         ("eager silu*mul", lambda: F.silu(gate) * up, eager_bytes),
-        ("eager silu*mul + where", lambda: torch.where(mask, F.silu(gate) * up, 0),
-         eager_bytes + 2 * rows * row_bytes),
+        ("eager silu*mul + where", lambda: torch.where(mask, F.silu(gate) * up, 0), eager_bytes + 2 * rows * row_bytes),
         ("kernel, all rows", lambda: swiglu(gate_up), 3 * rows * row_bytes),
         ("kernel, padding zeroed", lambda: swiglu(gate_up, count), (3 * valid + rows - valid) * row_bytes),
         ("kernel, padding skipped", lambda: swiglu(gate_up, count, zero_padding=False), 3 * valid * row_bytes),
@@ -110,19 +110,34 @@ def bench_shape(tokens: int, inter: int, hidden: int, device: torch.device, copy
     for name, fn, nbytes in variants(gate_up, count, down_out):
         ms = median_ms(fn, device)
         gbps = nbytes / (ms * 1e-3) / 1e9
-        out.append(Row(name, tokens, rows, valid, ms, nbytes / 1e9, gbps, gbps / copy_rate,
-                       float("nan") if name.startswith("moe.py") else floor_ms / ms))
+        out.append(
+            Row(
+                name,
+                tokens,
+                rows,
+                valid,
+                ms,
+                nbytes / 1e9,
+                gbps,
+                gbps / copy_rate,
+                float("nan") if name.startswith("moe.py") else floor_ms / ms,
+            )
+        )
     return out
 
 
 def format_table(rows: Sequence[Row], copy_rate: float) -> str:
-    lines = [f"copy bandwidth measured here {copy_rate:.0f} GB/s (KINDS.md: {H200_COPY_GBPS_MEASURED:.0f})",
-             f"{'variant':<26}{'tokens':>7}{'rows':>7}{'valid':>7}{'ms':>9}{'GB':>8}{'GB/s':>8}{'of copy':>9}"
-             f"{'of floor':>10}"]
+    lines = [
+        f"copy bandwidth measured here {copy_rate:.0f} GB/s (KINDS.md: {H200_COPY_GBPS_MEASURED:.0f})",
+        f"{'variant':<26}{'tokens':>7}{'rows':>7}{'valid':>7}{'ms':>9}{'GB':>8}{'GB/s':>8}{'of copy':>9}"
+        f"{'of floor':>10}",
+    ]
     for r in rows:
         floor = "" if math.isnan(r.of_floor) else f"{r.of_floor:.0%}"
-        lines.append(f"{r.variant:<26}{r.tokens:>7}{r.rows:>7}{r.valid_rows:>7}{r.ms:>9.4f}{r.gbytes:>8.3f}"
-                     f"{r.gbps:>8.0f}{r.of_copy:>9.0%}{floor:>10}")
+        lines.append(
+            f"{r.variant:<26}{r.tokens:>7}{r.rows:>7}{r.valid_rows:>7}{r.ms:>9.4f}{r.gbytes:>8.3f}"
+            f"{r.gbps:>8.0f}{r.of_copy:>9.0%}{floor:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -151,8 +166,16 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     rows = [row for t in tokens for row in bench_shape(t, inter, hidden, device, copy_rate)]
     print(format_table(rows, copy_rate))
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                                        "copy_gbps": copy_rate, "rows": [asdict(r) for r in rows]}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "copy_gbps": copy_rate,
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=1,
+            )
+        )
     return rows
 
 

@@ -40,8 +40,12 @@ def comm_kernels(config: dict[str, Any]) -> list[tuple[float, float]]:
 def split_waits(configs: list[dict[str, Any]]) -> dict[str, Any]:
     """Transfer and per-rank waiting (ms) of one configuration profiled on every rank."""
     per_rank = [comm_kernels(c) for c in configs]
-    compute = [busy_ms([Interval(0, "compute", "", r[3] / 1e3, r[4] / 1e3) for r in c["kernels"] if r[1] == COMPUTE],
-                       "compute") for c in configs]
+    compute = [
+        busy_ms(
+            [Interval(0, "compute", "", r[3] / 1e3, r[4] / 1e3) for r in c["kernels"] if r[1] == COMPUTE], "compute"
+        )
+        for c in configs
+    ]
     durations = [[end - start for start, end in kernels] for kernels in per_rank]
     transfer = transfer_ms(durations)
     result: dict[str, Any] = {
@@ -78,8 +82,13 @@ def waits_table(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ideal = (c + m) / max(c, m)
         speedup = base["wall_ms"] / row["wall_ms"]
         bound = base["wall_ms"] / max(row["compute_busy_ms"], row["transfer_ms"])
-        row.update(speedup=round(speedup, 3), ideal_speedup=round(ideal, 3), bound_speedup=round(bound, 3),
-                   efficiency=round((speedup - 1) / (ideal - 1), 3), efficiency_bound=round((bound - 1) / (ideal - 1), 3))
+        row.update(
+            speedup=round(speedup, 3),
+            ideal_speedup=round(ideal, 3),
+            bound_speedup=round(bound, 3),
+            efficiency=round((speedup - 1) / (ideal - 1), 3),
+            efficiency_bound=round((bound - 1) / (ideal - 1), 3),
+        )
     return rows
 
 

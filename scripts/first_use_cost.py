@@ -48,21 +48,34 @@ from ubatch.runner import ModelRunner
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--attention", choices=["builtin_flash", "sdpa", "math", "flash"], default="builtin_flash",
-                   help="builtin_flash: the torch backend's default (varlen flash calls where the kernel can "
-                        "run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math; "
-                        "flash: the flash-attn backend (an error where none is importable)")
+    p.add_argument(
+        "--attention",
+        choices=["builtin_flash", "sdpa", "math", "flash"],
+        default="builtin_flash",
+        help="builtin_flash: the torch backend's default (varlen flash calls where the kernel can "
+        "run); sdpa: its SDPA runs, torch's pick (cuDNN on an H200); math: SDPA runs on math; "
+        "flash: the flash-attn backend (an error where none is importable)",
+    )
     p.add_argument("--preset", default=None, help="model preset (default: dense-bench on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256, help="longest prompt (prompts draw from half of it up)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest output (outputs draw from 1 up)")
     p.add_argument("--num-ubatches", type=int, default=1, help="ubatches per step (each meets shapes of its own)")
-    p.add_argument("--warmup-requests", type=int, default=0,
-                   help="first serve this many throwaway requests of other lengths (ModelRunner.warmup)")
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="first serve this many throwaway requests of other lengths (ModelRunner.warmup)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--summarize", type=Path, default=None, metavar="ROWS_JSONL",
-                   help="instead of serving, summarize rows this script printed")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        default=None,
+        metavar="ROWS_JSONL",
+        help="instead of serving, summarize rows this script printed",
+    )
     return p.parse_args(argv)
 
 
@@ -124,8 +137,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _print_summary(summary: Sequence[dict[str, Any]]) -> None:
-    print(f"{'path':>14} {'N':>2} {'warm-up':>7} {'runs':>4}  {'cold tokens/s (range)':>24} {'vs sdpa':>7}  "
-          f"{'warm tokens/s (range)':>24} {'vs sdpa':>7}")
+    print(
+        f"{'path':>14} {'N':>2} {'warm-up':>7} {'runs':>4}  {'cold tokens/s (range)':>24} {'vs sdpa':>7}  "
+        f"{'warm tokens/s (range)':>24} {'vs sdpa':>7}"
+    )
     for e in summary:
         cells = []
         for name in ("cold", "warm"):
@@ -133,7 +148,9 @@ def _print_summary(summary: Sequence[dict[str, Any]]) -> None:
             ratio = e[f"{name}_vs_sdpa"]
             shown_ratio = f"{ratio:6.2f}x" if ratio is not None else "      -"
             cells.append(f"{median:8.1f} ({low:.1f}-{high:.1f})".rjust(24) + " " + shown_ratio)
-        print(f"{e['path']:>14} {e['num_ubatches']:>2} {e['warmup_requests']:>7} {e['runs']:>4}  {cells[0]}  {cells[1]}")
+        print(
+            f"{e['path']:>14} {e['num_ubatches']:>2} {e['warmup_requests']:>7} {e['runs']:>4}  {cells[0]}  {cells[1]}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
@@ -149,12 +166,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     backend = make_backend(args.attention, device)
     model = build_model(config, device=device, attn_backend=backend)
     blocks = args.requests * math.ceil((args.prompt_len + args.max_new_tokens) / 16)
-    runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=16,
-                         max_num_seqs=args.requests, num_ubatches=args.num_ubatches)
+    runner = ModelRunner(
+        model,
+        config,
+        device=device,
+        num_kv_blocks=blocks,
+        block_size=16,
+        max_num_seqs=args.requests,
+        num_ubatches=args.num_ubatches,
+    )
     prompts, limits = staggered_requests(args, config.vocab_size)
-    row: dict[str, float | int | str] = {"preset": preset, "device": str(device), "attention": args.attention,
-                                         "path": attention_path(backend, config, device, args.attention),
-                                         "num_ubatches": args.num_ubatches}
+    row: dict[str, float | int | str] = {
+        "preset": preset,
+        "device": str(device),
+        "attention": args.attention,
+        "path": attention_path(backend, config, device, args.attention),
+        "num_ubatches": args.num_ubatches,
+    }
     with sdpa_choice(args.attention):
         if args.warmup_requests:
             start = time.perf_counter()
@@ -169,8 +197,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
             tokens = sum(len(o) for o in outputs)
-            row.update({f"{name}_tokens": tokens, f"{name}_s": round(seconds, 4),
-                        f"{name}_tokens_per_s": round(tokens / seconds, 1)})
+            row.update(
+                {
+                    f"{name}_tokens": tokens,
+                    f"{name}_s": round(seconds, 4),
+                    f"{name}_tokens_per_s": round(tokens / seconds, 1),
+                }
+            )
     print(json.dumps(row), flush=True)
     return row
 

@@ -123,18 +123,29 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         if r["bandwidth_set_gbps"] is not None and r["payload_mb"] >= 16:
             error = r["alone_gbps"] / r["bandwidth_set_gbps"] - 1
             note = f"{note} {error:+.0%} vs set".strip()
-        print(f"{set_gbps:>9} {r['payload_mb']:>6g} {r['alone_gbps']:>11.1f} {r['beside_gemm_gbps']:>13.1f} "
-              f"{r['gemm_slowdown']:>13.3f}x  {note}")
+        print(
+            f"{set_gbps:>9} {r['payload_mb']:>6g} {r['alone_gbps']:>11.1f} {r['beside_gemm_gbps']:>13.1f} "
+            f"{r['gemm_slowdown']:>13.3f}x  {note}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--bandwidths", nargs="+", default=["copy", "25", "12.5"],
-                        help="GB/s to throttle to; 'copy' is unthrottled (as fast as the copy engines go)")
-    parser.add_argument("--chunks-mb", type=float, nargs="*", default=[1, 2, 4, 8, 16],
-                        help="chunk sizes to sweep at 64 MB, unthrottled (none: skip the sweep)")
+    parser.add_argument(
+        "--bandwidths",
+        nargs="+",
+        default=["copy", "25", "12.5"],
+        help="GB/s to throttle to; 'copy' is unthrottled (as fast as the copy engines go)",
+    )
+    parser.add_argument(
+        "--chunks-mb",
+        type=float,
+        nargs="*",
+        default=[1, 2, 4, 8, 16],
+        help="chunk sizes to sweep at 64 MB, unthrottled (none: skip the sweep)",
+    )
     parser.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the bf16 GEMM loop")
     parser.add_argument("--trials", type=int, default=3, help="median of this many runs per figure")
     args = parser.parse_args(argv)
@@ -144,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     bandwidths = [None if b == "copy" else float(b) for b in args.bandwidths]
     device = torch.device("cuda", torch.cuda.current_device())
     bench = Bench(device, args.gemm_size, args.trials)
-    print(f"stand-in: host-staged link on {torch.cuda.get_device_name(device)}; bf16 GEMM {args.gemm_size}^3 "
-          f"{bench.gemm_s * 1e3:.2f} ms ({bench.gemm_flops / bench.gemm_s / 1e12:.0f} TFLOP/s) alone")
+    print(
+        f"stand-in: host-staged link on {torch.cuda.get_device_name(device)}; bf16 GEMM {args.gemm_size}^3 "
+        f"{bench.gemm_s * 1e3:.2f} ms ({bench.gemm_flops / bench.gemm_s / 1e12:.0f} TFLOP/s) alone"
+    )
 
     rows, links = [], []
     for gbps in bandwidths:
@@ -161,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         link.prepare()
         row = bench.link_row(link, 64 * MB)
         sweep.append({"chunk_mb": chunk_mb, **{k: row[k] for k in ("alone_gbps", "beside_gemm_gbps", "host_bound")}})
-        print(f"chunk {chunk_mb:g} MB at 64 MB: {row['alone_gbps']:.1f} GB/s alone, "
-              f"{row['beside_gemm_gbps']:.1f} beside the GEMMs")
+        print(
+            f"chunk {chunk_mb:g} MB at 64 MB: {row['alone_gbps']:.1f} GB/s alone, "
+            f"{row['beside_gemm_gbps']:.1f} beside the GEMMs"
+        )
 
     result = {
         "what": "host-link stand-in (pinned host round trip on the copy engines), not a network",

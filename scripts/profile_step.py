@@ -39,17 +39,26 @@ def trace_origin(trace: dict[str, Any]) -> float:
     """The trace's first kernel or launch, in the profiler's clock (us): rows are relative to it.
     Ranks on one host share that clock, so origins line their timelines up."""
     events = trace.get("traceEvents", [])
-    return min((e["ts"] for e in events if (e.get("cat") == "kernel" and e.get("ph") == "X")
-                or (e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}))),
-               default=0.0)
+    return min(
+        (
+            e["ts"]
+            for e in events
+            if (e.get("cat") == "kernel" and e.get("ph") == "X")
+            or (e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}))
+        ),
+        default=0.0,
+    )
 
 
 def kernel_records(trace: dict[str, Any], names: dict[str, int]) -> list[list[float]]:
     """[name id, kind, stream, start_us, end_us, launch_us] per kernel, from the first launch;
     ``names`` maps kernel names to ids and grows as new names appear."""
     events = trace.get("traceEvents", [])
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     origin = trace_origin(trace)
     rows = []
@@ -57,8 +66,9 @@ def kernel_records(trace: dict[str, Any], names: dict[str, int]) -> list[list[fl
         kind = COMM if "nccl" in k["name"].lower() else COMPUTE
         launch = launches.get(k["args"].get("correlation"), k["ts"])
         name = names.setdefault(k["name"], len(names))
-        rows.append([name, kind, k["args"].get("stream", -1), k["ts"] - origin, k["ts"] + k["dur"] - origin,
-                     launch - origin])
+        rows.append(
+            [name, kind, k["args"].get("stream", -1), k["ts"] - origin, k["ts"] + k["dur"] - origin, launch - origin]
+        )
     return sorted(rows, key=lambda r: r[3])
 
 
@@ -117,8 +127,14 @@ def _step_calls(model: Any, step: Any, counts: list[int], partition: SMPartition
         return
     mode = GRAPH_MODES[args.workload]
     blocks = step.attn_metadata[model.layer_names[0]].block_table.shape[1]
-    graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=blocks,
-                           ubatch_counts=sorted(set(counts) | {1}), modes=(mode,), sm_partition=partition)
+    graphed = GraphedModel(
+        model,
+        capture_sizes=[step.num_tokens],
+        max_blocks_per_req=blocks,
+        ubatch_counts=sorted(set(counts) | {1}),
+        modes=(mode,),
+        sm_partition=partition,
+    )
     graphed.capture()
     try:
         for n in counts:
@@ -135,8 +151,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--num-ubatches", default="1,2,3,4")
-    p.add_argument("--sm-partition", default="none", help="comma-separated modes, each optionally with "
-                   "its comm SMs, e.g. none,green:16,cooperative:4")
+    p.add_argument(
+        "--sm-partition",
+        default="none",
+        help="comma-separated modes, each optionally with its comm SMs, e.g. none,green:16,cooperative:4",
+    )
     p.add_argument("--layers", type=int)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="added to the output file names")
@@ -154,8 +173,11 @@ def main() -> None:
     else:
         step, _ = make_step(model, [args.prompt_len] * (args.tokens // args.prompt_len), seed=rank)
     names: dict[str, int] = {}
-    report: dict[str, Any] = {"env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-                              "args": vars(args), "configs": []}
+    report: dict[str, Any] = {
+        "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "args": vars(args),
+        "configs": [],
+    }
     for spec in args.sm_partition.split(","):
         mode, _, sms = spec.partition(":")
         partition = SMPartition(mode, int(sms) if sms else None, device)

@@ -38,7 +38,7 @@ def table(report: dict[str, Any], mode: str, top: int) -> str:
         raise ValueError(f"no unsplit (N=1) configuration of mode {mode!r} in the report")
     names = report["kernel_names"]
     lines = []
-    for n, config in sorted(configs.items()):
+    for _, config in sorted(configs.items()):
         summary = {k: v for k, v in config.items() if k not in ("kernels", "origin_us")}
         lines.append(json.dumps(summary))
     unsplit = family_totals(configs[1], names)

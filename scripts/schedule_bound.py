@@ -25,10 +25,18 @@ def main() -> None:
     p.add_argument("--compute-ms", type=float, required=True, help="C: the unsplit step's compute")
     p.add_argument("--comm-ms", type=float, required=True, help="M: the unsplit step's communication")
     p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--attention-share", type=float, default=DEFAULT_ATTENTION_SHARE,
-                   help="share of compute before the dispatch (attention, norms, router)")
-    p.add_argument("--comm-stretch", type=float, default=1.0,
-                   help="how much slower the split collectives run (a report's comm_stretch)")
+    p.add_argument(
+        "--attention-share",
+        type=float,
+        default=DEFAULT_ATTENTION_SHARE,
+        help="share of compute before the dispatch (attention, norms, router)",
+    )
+    p.add_argument(
+        "--comm-stretch",
+        type=float,
+        default=1.0,
+        help="how much slower the split collectives run (a report's comm_stretch)",
+    )
     p.add_argument("--num-ubatches", default="1,2,3,4")
     args = p.parse_args()
     if not 0 <= args.attention_share < 1:

@@ -23,8 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ubatch.bench.options import add_model_overrides, int_list, model_overrides
 from ubatch.bench.calibration import calibrated_policy
+from ubatch.bench.options import add_model_overrides, int_list, model_overrides
 from ubatch.dp import dp_cpu_group
 from ubatch.models import ModelConfig, build_model
 from ubatch.runner import ModelRunner
@@ -32,8 +32,12 @@ from ubatch.teardown import destroy_process_groups_or_warn
 
 logger = logging.getLogger("torchrun_generate")
 
-DEFAULT_PRESETS = {("moe", "cpu"): "tiny-moe", ("dense", "cpu"): "tiny",
-                   ("moe", "cuda"): "small-moe", ("dense", "cuda"): "small"}
+DEFAULT_PRESETS = {
+    ("moe", "cpu"): "tiny-moe",
+    ("dense", "cpu"): "tiny",
+    ("moe", "cuda"): "small-moe",
+    ("dense", "cuda"): "small",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,10 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; lengths are drawn from [len/2, len]")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--num-ubatches", type=int, default=1, help="1: never split; >= 2: split when every rank can")
-    p.add_argument("--split-policy", choices=["always", "auto"], default="always",
-                   help="auto: split only steps that the policy, calibrated on the model first, picks")
-    p.add_argument("--calibrate-tokens", type=int_list, default=[256, 2048],
-                   help="token counts --split-policy auto times")
+    p.add_argument(
+        "--split-policy",
+        choices=["always", "auto"],
+        default="always",
+        help="auto: split only steps that the policy, calibrated on the model first, picks",
+    )
+    p.add_argument(
+        "--calibrate-tokens", type=int_list, default=[256, 2048], help="token counts --split-policy auto times"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -71,15 +80,18 @@ def init_distributed(choice: str, timeout_s: float) -> tuple[torch.device, int, 
     if use_cuda:
         visible = torch.cuda.device_count()
         if local_rank >= visible:
-            raise SystemExit(f"error: local rank {local_rank} needs a GPU of its own but only {visible} are "
-                             f"visible; use --nproc-per-node <= {visible} (world size {world})")
+            raise SystemExit(
+                f"error: local rank {local_rank} needs a GPU of its own but only {visible} are "
+                f"visible; use --nproc-per-node <= {visible} (world size {world})"
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                device_id=device if use_cuda else None)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s), device_id=device if use_cuda else None
+        )
         return device, dist.get_rank(), world
     return device, 0, 1
 
@@ -122,13 +134,23 @@ def generate_and_report(args: argparse.Namespace, device: torch.device, rank: in
     model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None)
     policy = None
     if args.split_policy == "auto":
-        policy = calibrated_policy(model, sizes=args.calibrate_tokens, num_ubatches=args.num_ubatches,
-                                   seed=rank)  # EP ranks route tokens of their own, as in the bench
+        policy = calibrated_policy(
+            model, sizes=args.calibrate_tokens, num_ubatches=args.num_ubatches, seed=rank
+        )  # EP ranks route tokens of their own, as in the bench
         logger.info("split policy calibrated: %s", policy.costs)
     blocks = args.prompts_per_rank * math.ceil((args.prompt_len + args.max_new_tokens) / args.block_size)
-    runner = ModelRunner(model, config, device=device, num_kv_blocks=blocks, block_size=args.block_size,
-                         max_num_batched_tokens=args.max_num_batched_tokens, num_ubatches=args.num_ubatches,
-                         dp_group=group, timeout_s=args.timeout, split_policy=policy)
+    runner = ModelRunner(
+        model,
+        config,
+        device=device,
+        num_kv_blocks=blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_ubatches=args.num_ubatches,
+        dp_group=group,
+        timeout_s=args.timeout,
+        split_policy=policy,
+    )
     prompts = random_prompts(args, config, rank)
     runner.generate(prompts, args.max_new_tokens)  # untimed: the timed run meets no shape for the first time
     cpu_group = dp_cpu_group(group, timeout_s=args.timeout) if group is not None else None
@@ -142,9 +164,12 @@ def generate_and_report(args: argparse.Namespace, device: torch.device, rank: in
         dist.all_reduce(totals, group=cpu_group)
     if rank == 0:
         tokens, requests = int(totals[0]), int(totals[1])
-        print(f"{preset} on {world} x {device.type}, "
-              f"num_ubatches={args.num_ubatches}, split policy {args.split_policy}: {requests} requests, {tokens} tokens in {elapsed:.2f} s = "
-              f"{tokens / elapsed:.1f} tokens/s")
+        print(
+            f"{preset} on {world} x {device.type}, "
+            f"num_ubatches={args.num_ubatches}, split policy {args.split_policy}: "
+            f"{requests} requests, {tokens} tokens in {elapsed:.2f} s = "
+            f"{tokens / elapsed:.1f} tokens/s"
+        )
     if cpu_group is not None:
         dist.barrier(group=cpu_group)  # tear down in step: gloo aborts a rank whose peer left mid-teardown
 

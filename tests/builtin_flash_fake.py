@@ -11,8 +11,9 @@ from unittest import mock
 import torch
 
 
-def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-                       scale, seqused_k):
+def fake_builtin_flash(
+    q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale, seqused_k
+):
     """What ``aten::_flash_attention_forward`` computes, per request: queries
     ``cum_seq_q[i]:cum_seq_q[i+1]`` over the first ``seqused_k[i]`` keys from ``cum_seq_k[i]``,
     causal aligned to the bottom right."""
@@ -29,8 +30,13 @@ def fake_builtin_flash(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, i
         n = qe - qs
         mask = torch.arange(used)[None] <= torch.arange(n)[:, None] + used - n if is_causal else None
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1), k[ks:ks + used].transpose(0, 1), v[ks:ks + used].transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            q[qs:qe].transpose(0, 1),
+            k[ks : ks + used].transpose(0, 1),
+            v[ks : ks + used].transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         outs.append(o.transpose(0, 1))
     return torch.cat(outs), None, None, None, None
 
@@ -47,6 +53,8 @@ def fake_builtin_flash_enabled() -> Iterator[list]:
         calls.append((args[0].shape[0], args[5]))
         return fake_builtin_flash(*args, **kwargs)
 
-    with mock.patch.object(varlen, "_FLASH_FORWARD", recording), \
-            mock.patch.object(backends, "builtin_flash_supports", lambda q: True):
+    with (
+        mock.patch.object(varlen, "_FLASH_FORWARD", recording),
+        mock.patch.object(backends, "builtin_flash_supports", lambda q: True),
+    ):
         yield calls

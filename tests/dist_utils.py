@@ -46,8 +46,9 @@ def destroy_and_check_released() -> None:
     the rare gloo abort at exit that such a group can cause, caught deterministically."""
     alive = destroy_process_groups()
     if alive:
-        raise AssertionError(f"{len(alive)} process group(s) outlived destroy_process_group: "
-                             f"something still references {alive}")
+        raise AssertionError(
+            f"{len(alive)} process group(s) outlived destroy_process_group: something still references {alive}"
+        )
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.builtin_flash_fake import fake_builtin_flash_enabled
 from ubatch.attention import (
     Attention,
     AttentionMetadata,
@@ -30,7 +31,6 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
-from tests.builtin_flash_fake import fake_builtin_flash_enabled
 from ubatch.attention.backends import load_flash_attn
 from ubatch.context import set_forward_context
 
@@ -73,18 +73,9 @@ class Scenario:
         self.dtype, self.device = dtype, torch.device(device)
         self.block_size = block_size
         self.lengths = list(lengths)
-        self.q = [
-            torch.randn(n, num_heads, head_dim, generator=self.gen, dtype=torch.float64)
-            for n in lengths
-        ]
-        self.k = [
-            torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64)
-            for n in lengths
-        ]
-        self.v = [
-            torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64)
-            for n in lengths
-        ]
+        self.q = [torch.randn(n, num_heads, head_dim, generator=self.gen, dtype=torch.float64) for n in lengths]
+        self.k = [torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64) for n in lengths]
+        self.v = [torch.randn(n, num_kv_heads, head_dim, generator=self.gen, dtype=torch.float64) for n in lengths]
         blocks_per_req = [-(-n // block_size) for n in lengths]
         num_blocks = sum(blocks_per_req) + 3  # spare blocks stay untouched
         pool = BlockPool(num_blocks)
@@ -132,10 +123,7 @@ class Scenario:
             seq_lens.append(start + n)
             rows.append(self.blocks[r])
         for parts in (qs, ks, vs):  # padding rows carry garbage that must not leak anywhere
-            parts.append(
-                torch.randn(num_pad, *parts[0].shape[1:], generator=self.gen, dtype=torch.float64)
-                * 100
-            )
+            parts.append(torch.randn(num_pad, *parts[0].shape[1:], generator=self.gen, dtype=torch.float64) * 100)
         slots += [-1] * num_pad
         width = max(len(b) for b in rows)
         table = torch.tensor([b + [0] * (width - len(b)) for b in rows], dtype=torch.int32)
@@ -154,9 +142,7 @@ class Scenario:
         for r, n in chunks:
             start = self.done[r]
             outs.append(
-                reference_attention(
-                    self.q[r][start : start + n], self.k[r], self.v[r], start, self.layer.scale
-                )
+                reference_attention(self.q[r][start : start + n], self.k[r], self.v[r], start, self.layer.scale)
             )
         return torch.cat(outs).flatten(1)
 
@@ -166,9 +152,7 @@ class Scenario:
             out = self.layer(q, k, v)
         n = md.num_actual_tokens
         assert out.shape == q.shape and out.dtype == self.dtype
-        torch.testing.assert_close(
-            out[:n].double().cpu(), self.expected(chunks), atol=atol, rtol=rtol
-        )
+        torch.testing.assert_close(out[:n].double().cpu(), self.expected(chunks), atol=atol, rtol=rtol)
         assert torch.count_nonzero(out[n:]) == 0, "padding rows must be zero"
         for r, n_new in chunks:
             self.done[r] += n_new
@@ -218,9 +202,7 @@ def test_prefill(block_size, heads):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
 def test_chunked_prefill_then_decode(block_size, heads):
-    sc = Scenario(
-        [20, 13, 9], num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=1
-    )
+    sc = Scenario([20, 13, 9], num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, seed=1)
     sc.step([(0, 7), (1, 13), (2, 4)])  # request 0 and 2 are chunked
     sc.step([(0, 9), (2, 5)], num_pad=2)  # continuations over cached context
     sc.step([(2, 0), (0, 3)])  # an empty request is tolerated
@@ -230,9 +212,7 @@ def test_chunked_prefill_then_decode(block_size, heads):
 
 @pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
 def test_decode_batch_and_uniform_multi_token(heads):
-    sc = Scenario(
-        [12, 30, 7, 19, 25], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=2
-    )
+    sc = Scenario([12, 30, 7, 19, 25], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=2)
     sc.step([(r, n - 6) for r, n in enumerate(sc.lengths)])
     for _ in range(3):
         sc.step([(r, 1) for r in range(5)], num_pad=3)  # decode
@@ -245,8 +225,11 @@ def test_runs_of_equal_query_lengths_take_one_sdpa_each(heads, monkeypatch):
     """Consecutive requests with equal query lengths but different contexts share one SDPA call."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: calls.append(q.shape[0]) or sdpa(q, *a, **kw))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda q, *a, **kw: calls.append(q.shape[0]) or sdpa(q, *a, **kw),
+    )
     sc = Scenario([12, 9, 15, 6, 10], num_heads=heads[0], num_kv_heads=heads[1], block_size=4, seed=3)
     sc.step([(0, 3), (1, 3), (2, 5), (3, 2), (4, 2)], num_pad=2)
     assert calls == [2, 1, 2]
@@ -272,9 +255,15 @@ def _check_non_causal_step(sc, chunks):
     md.causal = False
     with set_forward_context({LAYER: md}, no_compile_layers=sc.registry):
         out = sc.layer(q, k, v)
-    expect = torch.cat([reference_attention(sc.q[r][sc.done[r]:sc.done[r] + n], sc.k[r], sc.v[r], sc.done[r],
-                                            sc.layer.scale, causal=False) for r, n in chunks]).flatten(1)
-    torch.testing.assert_close(out[:md.num_actual_tokens].double(), expect, atol=1e-5, rtol=1e-5)
+    expect = torch.cat(
+        [
+            reference_attention(
+                sc.q[r][sc.done[r] : sc.done[r] + n], sc.k[r], sc.v[r], sc.done[r], sc.layer.scale, causal=False
+            )
+            for r, n in chunks
+        ]
+    ).flatten(1)
+    torch.testing.assert_close(out[: md.num_actual_tokens].double(), expect, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=100, deadline=None)
@@ -355,9 +344,7 @@ def test_skip_attention_seed_regression(explicit_slot_mapping):
     raw_before = dict(raw)
     slot_mapping = {LAYER: md.slot_mapping} if explicit_slot_mapping else None
     cache_before = sc.layer.kv_cache.clone()
-    with set_forward_context(
-        raw, slot_mapping=slot_mapping, skip_attention=True, no_compile_layers=sc.registry
-    ) as ctx:
+    with set_forward_context(raw, slot_mapping=slot_mapping, skip_attention=True, no_compile_layers=sc.registry) as ctx:
         metadata, layer, kv_cache, slots = get_attention_context(LAYER)
         assert metadata is None
         assert layer is sc.layer
@@ -404,9 +391,7 @@ def test_flash_on_cpu_is_an_error():
         get_backend("flash", "cpu")
     layer = Attention(2, 8, layer_name="a", backend="flash", registry=(reg := {}))
     layer.kv_cache = torch.zeros(2, 2, 4, 2, 8)
-    md = build_attention_metadata(
-        [1], [1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    )
+    md = build_attention_metadata([1], [1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
     with set_forward_context({"a": md}, no_compile_layers=reg):
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             layer(torch.zeros(1, 16), torch.zeros(1, 16), torch.zeros(1, 16))
@@ -433,9 +418,7 @@ def test_missing_layer_in_no_compile_layers():
     reg = {}
     Attention(4, 8, layer_name="present", registry=reg)
     with set_forward_context(None, no_compile_layers=reg):
-        with pytest.raises(
-            RuntimeError, match=r"'absent' is not in .*no_compile_layers.*'present'"
-        ):
+        with pytest.raises(RuntimeError, match=r"'absent' is not in .*no_compile_layers.*'present'"):
             get_attention_context("absent")
 
 
@@ -488,9 +471,7 @@ def test_block_pool_exhaustion_and_double_free():
 
 
 def test_metadata_building_and_validation():
-    md = build_attention_metadata(
-        [3, 1], [3, 8], torch.tensor([[2, 0], [0, 1]]), torch.tensor([8, 9, 10, 7, -1, -1])
-    )
+    md = build_attention_metadata([3, 1], [3, 8], torch.tensor([[2, 0], [0, 1]]), torch.tensor([8, 9, 10, 7, -1, -1]))
     assert isinstance(md, AttentionMetadata)
     assert md.num_reqs == 2 and md.num_actual_tokens == 4
     assert md.query_start_loc.tolist() == [0, 3, 4] and md.query_start_loc.dtype == torch.int32
@@ -530,9 +511,7 @@ def test_write_kv_matches_a_naive_loop(data):
     num_blocks, block_size = data.draw(st.integers(1, 4)), data.draw(st.sampled_from([1, 2, 4]))
     num_slots = num_blocks * block_size
     num_rows = data.draw(st.integers(0, num_slots + 3))
-    real = data.draw(
-        st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_rows, num_slots))
-    )
+    real = data.draw(st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_rows, num_slots)))
     slots = real + [-1] * (num_rows - len(real))
     slots = data.draw(st.permutations(slots))  # padding anywhere, not only at the end
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
@@ -550,9 +529,7 @@ def test_write_kv_matches_a_naive_loop(data):
 def test_write_kv_validates():
     cache = torch.zeros(2, 2, 4, 2, 8)
     with pytest.raises(ValueError, match="kv_cache must be"):
-        write_kv(
-            cache[0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.zeros(1, dtype=torch.int64)
-        )
+        write_kv(cache[0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(TypeError, match="k dtype torch.float16"):
         write_kv(
             cache,
@@ -569,9 +546,7 @@ def _as_metadata(cu_q, seq_lens, block_table, causal):
     query_lens = (cu_q[1:] - cu_q[:-1]).tolist()
     seq_lens = seq_lens.tolist()
     assert all(0 <= q <= s for q, s in zip(query_lens, seq_lens))
-    return build_attention_metadata(
-        query_lens, seq_lens, block_table, torch.full((int(cu_q[-1]),), -1), causal=causal
-    )
+    return build_attention_metadata(query_lens, seq_lens, block_table, torch.full((int(cu_q[-1]),), -1), causal=causal)
 
 
 def _check_common(q, k_cache, v_cache, cu_q, block_table, max_q, scale, causal):
@@ -600,9 +575,7 @@ def fake_fa3(
     softmax_scale,
     causal,
 ):
-    _check_common(
-        q, k_cache, v_cache, cu_seqlens_q, page_table, max_seqlen_q, softmax_scale, causal
-    )
+    _check_common(q, k_cache, v_cache, cu_seqlens_q, page_table, max_seqlen_q, softmax_scale, causal)
     assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (page_table.shape[0],)
     md = _as_metadata(cu_seqlens_q, cache_seqlens, page_table, causal)
     return _run_reference(q, k_cache, v_cache, md, softmax_scale)
@@ -687,9 +660,7 @@ def test_flash_preference_order(monkeypatch, present, chosen):
 
 def test_flash_missing_package(monkeypatch):
     install_fakes(monkeypatch, [])
-    with pytest.raises(
-        RuntimeError, match=r"flash_attn_interface.*flash_attn\.cute.*pip install ubatch\[flash\]"
-    ):
+    with pytest.raises(RuntimeError, match=r"flash_attn_interface.*flash_attn\.cute.*pip install ubatch\[flash\]"):
         get_backend("flash", "cuda")
     assert isinstance(get_backend(None, "cuda"), TorchBackend)
     assert available_backends("cuda") == ["torch"]
@@ -781,8 +752,17 @@ def test_flash_backend_cuda_matches_the_reference(block_size, heads):
     """flash-attn reading the paged cache in place, on the schedules the torch backend meets."""
     rng = random.Random(block_size)
     lengths = [rng.randint(1, 300) for _ in range(6)]
-    sc = Scenario(lengths, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, block_size=block_size,
-                  backend=_backend_or_skip("flash"), dtype=torch.bfloat16, device="cuda", seed=5)
+    sc = Scenario(
+        lengths,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=128,
+        block_size=block_size,
+        backend=_backend_or_skip("flash"),
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=5,
+    )
     for chunks, pad in random_schedule(lengths, rng):
         sc.step(chunks, num_pad=pad, atol=2e-2, rtol=2e-2)
     sc.check_cache()
@@ -791,8 +771,17 @@ def test_flash_backend_cuda_matches_the_reference(block_size, heads):
 @pytest.mark.cuda
 def test_flash_backend_is_sync_free_on_a_mixed_batch():
     flash = _backend_or_skip("flash")
-    sc = Scenario([70, 33, 90, 12], num_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                  backend=flash, dtype=torch.bfloat16, device="cuda", seed=8)
+    sc = Scenario(
+        [70, 33, 90, 12],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        backend=flash,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=8,
+    )
     sc.step([(0, 50), (1, 33), (2, 20)], atol=2e-2, rtol=2e-2)  # first call: kernels compiled
     q, _, _, md = sc.batch([(3, 12), (0, 7), (1, 0), (2, 1)], num_pad=3)
     qh = q[: md.num_actual_tokens].view(md.num_actual_tokens, 8, 128)
@@ -961,8 +950,9 @@ def test_cuda_torch_backend_takes_the_builtin_flash_kernel_sync_free_and_agrees_
     from ubatch.attention.varlen import builtin_flash_supports
 
     assert builtin_flash_supports(torch.empty(1, 8, 64, device="cuda", dtype=dtype))
-    sc = Scenario([70, 33, 90, 12], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
-                  device="cuda", seed=8)
+    sc = Scenario(
+        [70, 33, 90, 12], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, device="cuda", seed=8
+    )
     sc.step([(0, 50), (1, 33), (2, 20)], atol=2e-2, rtol=2e-2)
     q, _, _, md = sc.batch([(3, 12), (0, 7), (1, 0), (2, 1)], num_pad=3)
     qh = q[: md.num_actual_tokens].view(md.num_actual_tokens, 8, 64)

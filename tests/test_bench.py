@@ -9,8 +9,15 @@ import torch
 
 from ubatch.bench.auto import auto_policy_report
 from ubatch.bench.cli import main, parse_args
-from ubatch.bench.kernels import (Kernel, comm_durations_us, gathered_transfer_ms, hidden_kernel_fraction, kernel_costs,
-                                  kernels_in_trace, transfer_ms)
+from ubatch.bench.kernels import (
+    Kernel,
+    comm_durations_us,
+    gathered_transfer_ms,
+    hidden_kernel_fraction,
+    kernel_costs,
+    kernels_in_trace,
+    transfer_ms,
+)
 from ubatch.bench.measure import Measurement
 from ubatch.bench.report import format_table, plot_title, policy_sentence, row_note, speedup_text
 from ubatch.bench.schedule import schedule_estimates, step_ms
@@ -30,8 +37,13 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
     assert env["torch"] and env["world_size"] == 2 and env["host_cores"] >= 1
     assert env["host_memory_gib"] > 0 and 0 < env["process_rss_gib"] < env["host_memory_gib"]
     assert env["host_load_1m"] >= 0
-    assert report["setup"] == {"preset": "tiny-moe", "kind": "moe", "num_layers": 2, "num_experts": 4,
-                               "launched": "here"}
+    assert report["setup"] == {
+        "preset": "tiny-moe",
+        "kind": "moe",
+        "num_layers": 2,
+        "num_experts": 4,
+        "launched": "here",
+    }
     assert report["results"]
     for r in report["results"]:
         assert r["world_size"] == 2 and r["comm_ms"] > 0, "two EP ranks exchange tokens"
@@ -52,7 +64,8 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
         assert abs(r["hideable_comm_fraction"] - min(r["compute_ms"], r["comm_ms"]) / r["comm_ms"]) < 1e-3
         assert r["comm_stretch"] is None and r["ubatched_comm_ms"] is None, "host-observed on CPU: not reported"
         assert r["schedule_model_ms"] == pytest.approx(
-            step_ms(r["num_ubatches"], report["args"]["layers"] or 2, r["compute_ms"], r["comm_ms"], 0.2), abs=1e-3)
+            step_ms(r["num_ubatches"], report["args"]["layers"] or 2, r["compute_ms"], r["comm_ms"], 0.2), abs=1e-3
+        )
         assert r["schedule_model_stretched_ms"] is None, "no measured stretch, no stretched estimate"
     (point,) = report["auto"]["points"]
     assert point["tokens_per_rank"] == 256 and point["choice"] in (1, 2) and point["best"] in (1, 2)
@@ -61,17 +74,26 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
     assert "expert-parallel over 2 gloo ranks started by this run" in printed
     assert "speedup" in printed and "What the columns mean" in printed
     assert f"measured best is {point['best']}" in printed
-    assert ("auto keeps the 256-token step whole" if point["choice"] == 1 else "auto splits the 256-token step in 2") \
-        in printed
+    assert (
+        "auto keeps the 256-token step whole" if point["choice"] == 1 else "auto splits the 256-token step in 2"
+    ) in printed
 
 
 def _rows(baseline=(10.0, 10.5, 9.5), ubatched=(8.2, 8.0, 8.4)):
     """A row as the bench reports it from these timed rounds, with an ideal of 1.25x (C 8, M 2)."""
     import statistics
 
-    m = Measurement(statistics.median(baseline), statistics.median(ubatched), 8.0, 2.0, 0.5, [],
-                    eager_baseline_ms=statistics.median(baseline), baseline_samples_ms=baseline,
-                    ubatched_samples_ms=ubatched)
+    m = Measurement(
+        statistics.median(baseline),
+        statistics.median(ubatched),
+        8.0,
+        2.0,
+        0.5,
+        [],
+        eager_baseline_ms=statistics.median(baseline),
+        baseline_samples_ms=baseline,
+        ubatched_samples_ms=ubatched,
+    )
     return {"tokens_per_rank": 256, "num_ubatches": 2, "world_size": 2, **m.as_dict()}
 
 
@@ -97,18 +119,35 @@ def test_policy_sentences_say_what_auto_picked_and_what_was_best():
     one_process = {**_rows(), "comm_ms": 0.0}
     whole = {"tokens_per_rank": 256, "choice": 1, "best": 1, "best_ms": 10.0, "auto_ms": 10.0, "auto_vs_best": 1.0}
     assert policy_sentence(whole, [one_process]).startswith(
-        "auto keeps the 256-token step whole: nothing to hide (no communication); measured best is 1")
+        "auto keeps the 256-token step whole: nothing to hide (no communication); measured best is 1"
+    )
     split = {**whole, "choice": 2, "best": 2, "best_ms": 8.2, "auto_ms": 8.2}
     assert policy_sentence(split, [_rows()]) == "auto splits the 256-token step in 2: measured best is 2 (8.2 ms)"
     missed = {**whole, "best": 2, "best_ms": 8.2}
     assert policy_sentence(missed, [_rows()]) == (
-        "auto keeps the 256-token step whole: measured best is 2 (8.2 ms vs 10 ms for auto's pick)")
+        "auto keeps the 256-token step whole: measured best is 2 (8.2 ms vs 10 ms for auto's pick)"
+    )
 
 
 def test_a_one_process_run_says_there_is_nothing_to_hide(tmp_path, capsys):
     out = tmp_path / "report.json"
-    main(["--quick", "--device", "cpu", "--nproc", "1", "--tokens", "64", "--repeats", "3", "--calibrate-tokens",
-          "16,64", "--out", str(out)])
+    main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--nproc",
+            "1",
+            "--tokens",
+            "64",
+            "--repeats",
+            "3",
+            "--calibrate-tokens",
+            "16,64",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["setup"]["launched"] == "one process" and report["environment"]["world_size"] == 1
     printed = capsys.readouterr().out
@@ -118,8 +157,30 @@ def test_a_one_process_run_says_there_is_nothing_to_hide(tmp_path, capsys):
 
 def test_mixed_workload_and_chrome_trace(tmp_path):
     out, trace = tmp_path / "report.json", tmp_path / "trace.json"
-    main(["--device", "cpu", "--workload", "mixed", "--tokens", "96", "--prompt-len", "32", "--context-len", "8",
-          "--num-ubatches", "2,3", "--warmup", "0", "--repeats", "1", "--out", str(out), "--chrome-trace", str(trace)])
+    main(
+        [
+            "--device",
+            "cpu",
+            "--workload",
+            "mixed",
+            "--tokens",
+            "96",
+            "--prompt-len",
+            "32",
+            "--context-len",
+            "8",
+            "--num-ubatches",
+            "2,3",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--chrome-trace",
+            str(trace),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["num_ubatches"] for r in results] == [2, 3] and all(r["workload"] == "mixed" for r in results)
     events = json.loads(trace.read_text())["traceEvents"]
@@ -168,8 +229,12 @@ def test_hidden_kernel_fraction_counts_comm_under_the_union_of_compute():
 
 
 def test_kernel_costs_are_busy_time_per_kind():
-    kernels = [_k("gemm", 0.0, 4000.0), _k("flash", 2000.0, 5000.0), _k("ncclKernel", 5000.0, 7000.0),
-               _k("ncclKernel", 6000.0, 9000.0)]
+    kernels = [
+        _k("gemm", 0.0, 4000.0),
+        _k("flash", 2000.0, 5000.0),
+        _k("ncclKernel", 5000.0, 7000.0),
+        _k("ncclKernel", 6000.0, 9000.0),
+    ]
     assert kernel_costs(kernels) == pytest.approx((5.0, 4.0))
     assert kernel_costs([]) == (0.0, 0.0)
 
@@ -201,15 +266,18 @@ def test_transfer_is_gathered_over_the_ranks():
 
 def test_speedup_bound_is_the_longer_of_split_compute_and_transfer():
     # unsplit 10 ms (C 6, M 4: ideal 1.667x); split compute busy 7 ms, its transfers 4.4 of 5 ms busy
-    m = Measurement(10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0),
-                    transfer_ms=(4.0, 4.4))
+    m = Measurement(
+        10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0), transfer_ms=(4.0, 4.4)
+    )
     row = m.as_dict()
     assert row["transfer_stretch"] == pytest.approx(1.1) and row["comm_stretch"] == pytest.approx(1.25)
     assert row["speedup_bound"] == pytest.approx(10.0 / 7.0, abs=1e-4)
     assert row["efficiency_bound"] == pytest.approx((10.0 / 7.0 - 1) / (10.0 / 6.0 - 1), abs=1e-4)
     assert row["efficiency"] == pytest.approx(0.375)
     unknown = Measurement(10.0, 8.0, 6.0, 4.0, 0.5, [], eager_baseline_ms=10.0, ubatched_busy_ms=(7.0, 5.0)).as_dict()
-    assert unknown["transfer_stretch"] is None and unknown["speedup_bound"] is None and unknown["efficiency_bound"] is None
+    assert (
+        unknown["transfer_stretch"] is None and unknown["speedup_bound"] is None and unknown["efficiency_bound"] is None
+    )
 
 
 def test_hidden_kernel_fraction_is_none_without_comm_kernels():
@@ -218,38 +286,57 @@ def test_hidden_kernel_fraction_is_none_without_comm_kernels():
 
 
 def test_kernels_in_trace_keeps_only_kernel_events():
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100.0, "dur": 5.5, "tid": 7},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 101.0, "dur": 20.0, "tid": 9},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 90.0, "dur": 1.0},
-        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 90.0, "dur": 50.0},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 95.0, "dur": 3.0},
-        {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 100.0},
-        {"ph": "M", "name": "thread_name", "args": {"name": "stream 7"}},
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100.0, "dur": 5.5, "tid": 7},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 101.0, "dur": 20.0, "tid": 9},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 90.0, "dur": 1.0},
+            {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 90.0, "dur": 50.0},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 95.0, "dur": 3.0},
+            {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 100.0},
+            {"ph": "M", "name": "thread_name", "args": {"name": "stream 7"}},
+        ]
+    }
     assert kernels_in_trace(trace) == [Kernel("gemm", 100.0, 105.5), Kernel("ncclDevKernel_SendRecv", 101.0, 121.0)]
     assert kernels_in_trace({}) == []
 
 
 def _graph_row(tokens, n, baseline, ubatched, at_capture):
-    return {"tokens_per_rank": tokens, "num_ubatches": n, "graphs": True, "eager_baseline_ms": 9.0,
-            "baseline_ms": baseline, "ubatched_ms": ubatched, "speedup": baseline / ubatched, "compute_ms": 1.0,
-            "comm_ms": 1.0, "ideal_speedup": 2.0, "efficiency": None, "hidden_comm_fraction": None,
-            "capture_time_ms": at_capture}
+    return {
+        "tokens_per_rank": tokens,
+        "num_ubatches": n,
+        "graphs": True,
+        "eager_baseline_ms": 9.0,
+        "baseline_ms": baseline,
+        "ubatched_ms": ubatched,
+        "speedup": baseline / ubatched,
+        "compute_ms": 1.0,
+        "comm_ms": 1.0,
+        "ideal_speedup": 2.0,
+        "efficiency": None,
+        "hidden_comm_fraction": None,
+        "capture_time_ms": at_capture,
+    }
 
 
 def test_auto_policy_for_graph_replays_picks_the_faster_graph_at_capture_time():
-    results = [_graph_row(64, 2, 1.0, 1.5, {1: 1.1, 2: 1.4}),
-               _graph_row(256, 2, 3.0, 2.0, {1: 3.1, 2: 2.6}), _graph_row(256, 3, 3.0, 2.5, {1: 3.0, 3: 2.4})]
+    results = [
+        _graph_row(64, 2, 1.0, 1.5, {1: 1.1, 2: 1.4}),
+        _graph_row(256, 2, 3.0, 2.0, {1: 3.1, 2: 2.6}),
+        _graph_row(256, 3, 3.0, 2.5, {1: 3.0, 3: 2.4}),
+    ]
 
     def measure_at(*_):
         raise AssertionError("graph rows need no calibration")
 
-    auto = auto_policy_report(results, measure_at, tokens=[64, 256], num_ubatches=[2, 3], calibrate_tokens=[],
-                              stages=4, graphs=True)
+    auto = auto_policy_report(
+        results, measure_at, tokens=[64, 256], num_ubatches=[2, 3], calibrate_tokens=[], stages=4, graphs=True
+    )
     assert "capture" in auto["note"]
     assert [(p["tokens_per_rank"], p["choice"], p["best"], p["auto_vs_best"]) for p in auto["points"]] == [
-        (64, 1, 1, 1.0), (256, 3, 2, 0.8)], "a pick from the short timing may miss the measured best"
+        (64, 1, 1, 1.0),
+        (256, 3, 2, 0.8),
+    ], "a pick from the short timing may miss the measured best"
     assert "eager ms" in format_table(results).splitlines()[0]
 
 
@@ -264,11 +351,14 @@ def test_capacity_factor_reports_the_dropped_share_unsplit_and_ubatched(tmp_path
     assert json.loads(out.read_text())["results"][0]["dropped_fraction"] is None  # worst case: none dropped
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "dense", "--capacity-factor", "1"], "apply to --model moe"),
-    (["--capacity-factor", "0"], "expected a positive number"),
-    (["--num-experts", "-2"], "expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "dense", "--capacity-factor", "1"], "apply to --model moe"),
+        (["--capacity-factor", "0"], "expected a positive number"),
+        (["--num-experts", "-2"], "expected a positive integer"),
+    ],
+)
 def test_model_overrides_refuse_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", *argv])
@@ -303,15 +393,21 @@ def test_comm_stretch_is_the_ubatched_comm_busy_time_over_m():
     from ubatch.bench.measure import device_busy_ms
     from ubatch.trace import Interval
 
-    timeline = [Interval(0, "compute", "c", 0.0, 4.0), Interval(0, "comm", "a2a", 4.0, 7.0),
-                Interval(1, "compute", "c", 4.0, 8.0), Interval(1, "comm", "a2a", 6.5, 9.0)]
+    timeline = [
+        Interval(0, "compute", "c", 0.0, 4.0),
+        Interval(0, "comm", "a2a", 4.0, 7.0),
+        Interval(1, "compute", "c", 4.0, 8.0),
+        Interval(1, "comm", "a2a", 6.5, 9.0),
+    ]
     busy = device_busy_ms(timeline, torch.device("cuda"))
     assert busy == (8.0, 5.0), "overlapping intervals of one kind count once"
     assert device_busy_ms(timeline, torch.device("cpu")) is None
     m = Measurement(10.0, 6.0, 8.0, 4.0, 0.5, timeline, eager_baseline_ms=10.0, ubatched_busy_ms=busy)
     row = m.as_dict()
     assert row["comm_stretch"] == 1.25 and row["ubatched_comm_ms"] == 5.0 and row["ubatched_compute_ms"] == 8.0
-    assert Measurement(10.0, 6.0, 8.0, 0.0, None, [], eager_baseline_ms=10.0, ubatched_busy_ms=busy).comm_stretch is None
+    assert (
+        Measurement(10.0, 6.0, 8.0, 0.0, None, [], eager_baseline_ms=10.0, ubatched_busy_ms=busy).comm_stretch is None
+    )
 
 
 def _torchrun_bench(tmp_path, *args: str):
@@ -360,11 +456,17 @@ def test_attention_share_outside_its_range_is_an_argument_error(capsys):
 def test_bench_under_torchrun_on_two_gpus_reports_the_comm_stretch(tmp_path, graphs):
     (r,) = _torchrun_bench(tmp_path, "--preset", "tiny-moe", *(["--graphs"] if graphs else []))
     assert r["world_size"] == 2 and r["comm_ms"] > 0 and r["graphs"] is graphs
-    assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2)
+    assert r["ubatched_comm_ms"] > 0 and r["comm_stretch"] == pytest.approx(
+        r["ubatched_comm_ms"] / r["comm_ms"], rel=1e-2
+    )
     if graphs:  # the ranks' kernels gathered: transfer is NCCL time less waiting
-        assert 0 < r["transfer_ms"] <= r["comm_ms"] * 1.001 and 0 < r["ubatched_transfer_ms"] <= r["ubatched_comm_ms"] * 1.001
+        assert (
+            0 < r["transfer_ms"] <= r["comm_ms"] * 1.001
+            and 0 < r["ubatched_transfer_ms"] <= r["ubatched_comm_ms"] * 1.001
+        )
         assert r["speedup_bound"] == pytest.approx(
-            r["baseline_ms"] / max(r["ubatched_compute_ms"], r["ubatched_transfer_ms"]), rel=1e-2)
+            r["baseline_ms"] / max(r["ubatched_compute_ms"], r["ubatched_transfer_ms"]), rel=1e-2
+        )
     else:
         assert r["transfer_ms"] is None and r["efficiency_bound"] is None
     expected = step_ms(r["num_ubatches"], 2, r["compute_ms"], r["comm_ms"], 0.2, r["comm_stretch"])
@@ -393,8 +495,9 @@ def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
     import sys
 
     def faults(mode: str) -> int:
-        result = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_REALLOCATED_BUFFER, mode],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-c", _FAULTS_OF_A_REALLOCATED_BUFFER, mode], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         return int(result.stdout.split()[-1])
 
@@ -402,23 +505,26 @@ def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
     assert faults("keep") < 1_000
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt-len", "0"], "argument --prompt-len: expected a positive integer, got '0'"),
-    (["--context-len", "-1"], "argument --context-len: expected an integer >= 0, got '-1'"),
-    (["--repeats", "0"], "argument --repeats: expected a positive integer, got '0'"),
-    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
-    (["--warmup", "two"], "argument --warmup: expected an integer >= 0, got 'two'"),
-    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
-    (["--preset", "tiny"], "preset 'tiny' is a dense model but --model moe was given"),
-    (["--num-experts", "1"], "--preset tiny-moe with these overrides: top_k must be in [1, num_experts=1], got 2"),
-    (["--quick", "--num-experts", "3"], "3 experts cannot be split evenly over 2 ranks"),
-    (["--tokens", "2", "--num-ubatches", "3"], "--tokens 2 cannot be split into 3 ubatches"),
-    (["--policy", "auto", "--calibrate-tokens", "64,64"], "--calibrate-tokens needs two or more different sizes"),
-    (["--workload", "generate", "--nproc", "2"], "--workload generate runs in one process"),
-    (["--out", "/nonexistent/report.json"], "--out '/nonexistent/report.json' cannot be written: No such file"),
-    (["--plot", "/nonexistent/plot.png"], "--plot '/nonexistent/plot.png' cannot be written: No such file"),
-    (["--chrome-trace", "/"], "--chrome-trace '/' is a directory, not a file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt-len", "0"], "argument --prompt-len: expected a positive integer, got '0'"),
+        (["--context-len", "-1"], "argument --context-len: expected an integer >= 0, got '-1'"),
+        (["--repeats", "0"], "argument --repeats: expected a positive integer, got '0'"),
+        (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
+        (["--warmup", "two"], "argument --warmup: expected an integer >= 0, got 'two'"),
+        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["--preset", "tiny"], "preset 'tiny' is a dense model but --model moe was given"),
+        (["--num-experts", "1"], "--preset tiny-moe with these overrides: top_k must be in [1, num_experts=1], got 2"),
+        (["--quick", "--num-experts", "3"], "3 experts cannot be split evenly over 2 ranks"),
+        (["--tokens", "2", "--num-ubatches", "3"], "--tokens 2 cannot be split into 3 ubatches"),
+        (["--policy", "auto", "--calibrate-tokens", "64,64"], "--calibrate-tokens needs two or more different sizes"),
+        (["--workload", "generate", "--nproc", "2"], "--workload generate runs in one process"),
+        (["--out", "/nonexistent/report.json"], "--out '/nonexistent/report.json' cannot be written: No such file"),
+        (["--plot", "/nonexistent/plot.png"], "--plot '/nonexistent/plot.png' cannot be written: No such file"),
+        (["--chrome-trace", "/"], "--chrome-trace '/' is a directory, not a file"),
+    ],
+)
 def test_bad_flags_end_in_a_usage_error_before_the_run(argv, message, capsys, monkeypatch):
     import ubatch.bench.cli as cli
 
@@ -459,8 +565,9 @@ def test_timed_rounds_run_each_call_once_and_take_turns_going_first():
     from ubatch.bench.measure import interleaved_samples_ms
 
     calls = []
-    samples = interleaved_samples_ms([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"),
-                                     warmup=1, repeats=3)
+    samples = interleaved_samples_ms(
+        [lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"), warmup=1, repeats=3
+    )
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert [len(s) for s in samples] == [3, 3] and all(t >= 0 for s in samples for t in s)
 

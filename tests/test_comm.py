@@ -72,7 +72,9 @@ def test_bad_arguments_raise_type_and_value_errors():
         comm.all_to_all_single([1], torch.zeros(2))
     with pytest.raises(ValueError, match=r"output.shape == input.shape, got \(3,\) and \(2,\)"):
         comm.all_to_all_single(torch.zeros(3), torch.zeros(2))
-    with pytest.raises(ValueError, match="all_gather_into_tensor with one rank needs equal sizes, got 6 and 3 elements"):
+    with pytest.raises(
+        ValueError, match="all_gather_into_tensor with one rank needs equal sizes, got 6 and 3 elements"
+    ):
         comm.all_gather_into_tensor(torch.zeros(6), torch.zeros(3))
     with pytest.raises(ValueError, match="reduce_scatter_tensor with one rank needs equal sizes, got 2 and 4 elements"):
         comm.reduce_scatter_tensor(torch.zeros(2), torch.zeros(4))
@@ -109,16 +111,29 @@ class _FailingWork:
         raise RuntimeError(self.message)
 
 
-@pytest.mark.parametrize("message, expected", [
-    ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53391. This is typically caused "
-     "by a remote worker crashing.", "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
-    ("[gloo/transport/tcp/pair.cc:575] Read error [127.0.0.1]:41234: Connection reset by peer",
-     "ubatch 1's all_to_all_single failed: a peer rank closed its connection"),
-    ("Operation timed out!", "ubatch 1 waited more than 7 s for all_to_all_single (timed out"),
-    ("Timed out waiting 7000ms for recv operation to complete", "ubatch 1 waited more than 7 s for all_to_all_single"),
-    ("unsupported reduction",
-     "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction"),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (
+            "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53391. This is typically caused "
+            "by a remote worker crashing.",
+            "ubatch 1's all_to_all_single failed: a peer rank closed its connection",
+        ),
+        (
+            "[gloo/transport/tcp/pair.cc:575] Read error [127.0.0.1]:41234: Connection reset by peer",
+            "ubatch 1's all_to_all_single failed: a peer rank closed its connection",
+        ),
+        ("Operation timed out!", "ubatch 1 waited more than 7 s for all_to_all_single (timed out"),
+        (
+            "Timed out waiting 7000ms for recv operation to complete",
+            "ubatch 1 waited more than 7 s for all_to_all_single",
+        ),
+        (
+            "unsupported reduction",
+            "ubatch 1's all_to_all_single failed while waiting for its result: unsupported reduction",
+        ),
+    ],
+)
 def test_a_failed_wait_says_whether_the_peer_left_or_time_ran_out(message, expected):
     sched = UBatchScheduler(2, "cpu", timeout_s=7)
 

@@ -9,11 +9,11 @@ import torch
 
 from ubatch import CUDAGraphMode, get_forward_context, set_forward_context
 from ubatch.attention import TorchBackend
-from ubatch.graphed import GraphedModel
 from ubatch.bench.workload import make_step
 from ubatch.context import capture_scope
 from ubatch.cudagraph import BatchExecutionDescriptor as BED
 from ubatch.cudagraph import CudaGraphManager, dispatch, make_descriptors
+from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
 from ubatch.wrapper import UBatchWrapper
 
@@ -104,7 +104,8 @@ def test_dispatch_picks_smallest_compatible_full_first():
     descs = make_descriptors([8, 16, 32], ubatch_counts=(1, 2))
     assert dispatch(descs, 5, num_reqs=5, uniform_token_count=1) == BED(FULL, 8, uniform_token_count=1)
     assert dispatch(descs, 12, num_reqs=12, uniform_token_count=1, num_ubatches=2) == BED(
-        FULL, 16, uniform_token_count=1, num_ubatches=2)
+        FULL, 16, uniform_token_count=1, num_ubatches=2
+    )
     # a mixed batch of a FULL size never replays the uniform-decode graph
     assert dispatch(descs, 8, num_reqs=3, uniform_token_count=None) == BED(PIECEWISE, 8)
     # the same size of tokens, but 2 tokens per request: not the decode graph
@@ -175,8 +176,14 @@ def test_self_check_disables_graphs_on_mismatch(caplog):
 def _tiny_graphed(spy, breakable, **kwargs):
     model = build_model(ModelConfig.preset("tiny-moe"), device="cpu", attn_backend=spy)
     make_step(model, [1] * 8, [5] * 8)  # binds a KV cache
-    return model, GraphedModel(model, capture_sizes=[8], max_blocks_per_req=4, use_breakable_cg=breakable,
-                               graph_backend=FakeBackend(), **kwargs)
+    return model, GraphedModel(
+        model,
+        capture_sizes=[8],
+        max_blocks_per_req=4,
+        use_breakable_cg=breakable,
+        graph_backend=FakeBackend(),
+        **kwargs,
+    )
 
 
 def test_piecewise_capture_never_runs_attention_on_dummy_inputs():
@@ -206,8 +213,12 @@ def test_piecewise_scope_reaches_every_ubatch():
     step, _ = make_step(model, [4, 4], [0, 0])
     wrapper = UBatchWrapper(model, num_ubatches=2, device="cpu")
     with torch.inference_mode(), capture_scope(skip_attention=True):
-        with set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers,
-                                 ubatch_slices=step.slices(2), skip_attention=False):
+        with set_forward_context(
+            step.attn_metadata,
+            no_compile_layers=model.attention_layers,
+            ubatch_slices=step.slices(2),
+            skip_attention=False,
+        ):
             wrapper(step.input_ids, step.positions)
     assert spy.calls == 0
 
@@ -247,8 +258,9 @@ def test_release_frees_every_graph_and_later_steps_run_eagerly():
     md = step.attn_metadata[model.layer_names[0]]
     assert graphed.plan(8, 8, 1) is None
     with torch.inference_mode():
-        torch.testing.assert_close(graphed.run(step.input_ids, step.positions, md),
-                                   graphed.eager(step.input_ids, step.positions, md))
+        torch.testing.assert_close(
+            graphed.run(step.input_ids, step.positions, md), graphed.eager(step.input_ids, step.positions, md)
+        )
 
 
 def test_capture_sizes_gain_the_multiples_each_tokens_per_request_count_needs():

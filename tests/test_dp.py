@@ -25,8 +25,8 @@ from tests.dist_utils import run_distributed, torchrun
 from ubatch.context import CUDAGraphMode
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.models import ModelConfig, build_model
-from ubatch.runner import ModelRunner
 from ubatch.policy import SplitPolicy
+from ubatch.runner import ModelRunner
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 RUNNER = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
@@ -38,12 +38,9 @@ RUNNER = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_num
 VOTE_CASES = [
     pytest.param([(10, 10, True, NONE), (7, 8, True, NONE)], (True, [10, 10], NONE), id="both-split"),
     pytest.param([(10, 10, True, NONE), (9, 9, False, NONE)], (False, [10, 9], NONE), id="one-refuses"),
-    pytest.param([(10, 16, True, FULL), (9, 12, False, PIECEWISE)], (False, [16, 16], PIECEWISE),
-                 id="modes-differ"),
-    pytest.param([(100, 100, True, NONE), (3, 3, True, NONE)], (False, [100, 3], NONE),
-                 id="all-padding-ubatch"),
-    pytest.param([(100, 104, True, FULL), (53, 56, True, FULL)], (True, [104, 104], FULL),
-                 id="just-enough"),
+    pytest.param([(10, 16, True, FULL), (9, 12, False, PIECEWISE)], (False, [16, 16], PIECEWISE), id="modes-differ"),
+    pytest.param([(100, 100, True, NONE), (3, 3, True, NONE)], (False, [100, 3], NONE), id="all-padding-ubatch"),
+    pytest.param([(100, 104, True, FULL), (53, 56, True, FULL)], (True, [104, 104], FULL), id="just-enough"),
     pytest.param([(12, 12, True, NONE), (0, 0, True, NONE)], (False, [12, 0], NONE), id="idle-rank"),
 ]
 
@@ -70,8 +67,7 @@ def vote_body(rank: int, world_size: int, cases: list[tuple[list[tuple], tuple]]
     group = dp_cpu_group(timeout_s=30)
     assert group is dp_cpu_group(timeout_s=30) and dist.get_backend(group) == "gloo"
     with pytest.raises(ValueError, match=r"disagree on num_ubatches: \[2, 3\]"):
-        coordinate_batch_across_dp(8, 8, wants_ubatch=True, cudagraph_mode=NONE, num_ubatches=2 + rank,
-                                   group=group)
+        coordinate_batch_across_dp(8, 8, wants_ubatch=True, cudagraph_mode=NONE, num_ubatches=2 + rank, group=group)
     config = ModelConfig.preset("tiny-moe")
     model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
     with pytest.raises(ValueError, match=r"expert-parallel over 2 ranks: pass dp_group"):
@@ -91,8 +87,9 @@ def test_dp_cpu_group_survives_a_new_default_group(tmp_path, monkeypatch):
     for attempt in range(2):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous{attempt}", rank=0, world_size=1)
         try:
-            decision = coordinate_batch_across_dp(3, 4, wants_ubatch=False, cudagraph_mode=NONE,
-                                                  group=dp_cpu_group(timeout_s=5))
+            decision = coordinate_batch_across_dp(
+                3, 4, wants_ubatch=False, cudagraph_mode=NONE, group=dp_cpu_group(timeout_s=5)
+            )
             assert decision.num_tokens_across_dp == [4]
         finally:
             dist.destroy_process_group()
@@ -160,11 +157,19 @@ LOADS = {
         "lockstep": [((2, 3, 2, 3), (7, 7, 7, 7)), ((3, 2, 2, 2), (5, 5, 5, 5))],
     },
     4: {
-        "unequal": [((3, 17, 40, 9), (6, 4, 6, 5)), ((12, 9, 2), (2, 3, 2)), ((25, 4, 6), (5, 6, 3)),
-                    ((7, 1, 5), (2, 2, 1))],
+        "unequal": [
+            ((3, 17, 40, 9), (6, 4, 6, 5)),
+            ((12, 9, 2), (2, 3, 2)),
+            ((25, 4, 6), (5, 6, 3)),
+            ((7, 1, 5), (2, 2, 1)),
+        ],
         "idle-rank": [((11, 26, 1), (5, 6, 4)), ((9, 4), (3, 5)), ((14, 3), (4, 2)), ((), ())],
-        "lockstep": [((2, 3, 2, 3), (7, 7, 7, 7)), ((3, 2, 2, 2), (7, 7, 7, 7)), ((2, 2, 3, 3), (6, 7, 7, 6)),
-                     ((3, 2, 2, 2), (5, 5, 5, 5))],
+        "lockstep": [
+            ((2, 3, 2, 3), (7, 7, 7, 7)),
+            ((3, 2, 2, 2), (7, 7, 7, 7)),
+            ((2, 2, 3, 3), (6, 7, 7, 6)),
+            ((3, 2, 2, 2), (5, 5, 5, 5)),
+        ],
     },
 }
 # Two copies of the 4-rank loads (every rank's prompts still differ: they are seeded by rank).
@@ -201,12 +206,24 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
     """DP+EP generation on every rank vs one runner holding the whole model and all requests."""
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
     config = moe_config(world_size)
-    reference_runner = ModelRunner(build_model(config, device=device), config, device=device,
-                                   **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size))
+    reference_runner = ModelRunner(
+        build_model(config, device=device),
+        config,
+        device=device,
+        **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size),
+    )
     model = build_model(config, device=device, ep_group=dist.group.WORLD)
     graph_options = dict(cudagraph_capture_sizes=[4, 8, 16], max_model_len=64) if graphs else {}
-    runner = ModelRunner(model, config, device=device, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
-                         timeout_s=60, **RUNNER, **graph_options)
+    runner = ModelRunner(
+        model,
+        config,
+        device=device,
+        num_ubatches=num_ubatches,
+        dp_group=dist.group.WORLD,
+        timeout_s=60,
+        **RUNNER,
+        **graph_options,
+    )
     replayed = []
     if graphs:
         runner.capture_graphs()
@@ -218,7 +235,7 @@ def generation_body(rank: int, world_size: int, device_kind: str, num_ubatches: 
         reference = reference_runner.generate(sum(prompts, []), sum(limits, []))
         first = sum(len(p) for p in prompts[:rank])
         steps = record_steps(runner)
-        assert runner.generate(prompts[rank], limits[rank]) == reference[first:first + len(prompts[rank])], name
+        assert runner.generate(prompts[rank], limits[rank]) == reference[first : first + len(prompts[rank])], name
         assert runner.block_pool.num_free == RUNNER["num_kv_blocks"]
         ran = steps[:-1]  # the last step is the all-idle one that ends generate() everywhere
         assert not any(steps[-1][1].num_tokens_across_dp)
@@ -259,8 +276,9 @@ def test_split_policy_keeps_the_runner_s_small_steps_whole():
     model = build_model(config, device="cpu")
     prompts = make_prompts(config, (3, 17, 40, 9, 1), seed=0)
     expected = ModelRunner(model, config, device="cpu", **RUNNER).generate(prompts, 5)
-    runner = ModelRunner(model, config, device="cpu", num_ubatches=2, split_policy=SplitPolicy(threshold_tokens=12),
-                         **RUNNER)
+    runner = ModelRunner(
+        model, config, device="cpu", num_ubatches=2, split_policy=SplitPolicy(threshold_tokens=12), **RUNNER
+    )
     steps = record_steps(runner)
     assert runner.generate(prompts, 5) == expected
     assert [d.should_ubatch for _, d in steps] == [real >= 12 for real, _ in steps]
@@ -277,15 +295,27 @@ def policy_body(rank: int, world_size: int) -> None:
     the single-process ones."""
     config = moe_config(world_size)
     prompts = [make_prompts(config, (3, 17, 40), seed=r) for r in range(world_size)]
-    reference_runner = ModelRunner(build_model(config, device="cpu"), config, device="cpu",
-                                   **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size))
+    reference_runner = ModelRunner(
+        build_model(config, device="cpu"),
+        config,
+        device="cpu",
+        **dict(RUNNER, num_kv_blocks=RUNNER["num_kv_blocks"] * world_size),
+    )
     reference = reference_runner.generate(sum(prompts, []), 4)
     model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
     policy = SplitPolicy(threshold_tokens=12 if rank == 0 else 10**9)
-    runner = ModelRunner(model, config, device="cpu", num_ubatches=2, dp_group=dist.group.WORLD, timeout_s=60,
-                         split_policy=policy, **RUNNER)
+    runner = ModelRunner(
+        model,
+        config,
+        device="cpu",
+        num_ubatches=2,
+        dp_group=dist.group.WORLD,
+        timeout_s=60,
+        split_policy=policy,
+        **RUNNER,
+    )
     steps = record_steps(runner)
-    assert runner.generate(prompts[rank], 4) == reference[3 * rank:3 * rank + 3]
+    assert runner.generate(prompts[rank], 4) == reference[3 * rank : 3 * rank + 3]
     assert not any(d.should_ubatch for _, d in steps)
     assert any(real >= 12 for real, _ in steps), "rank 0 had steps its policy would have split"
 
@@ -409,14 +439,27 @@ def torchrun_generate(nproc: int, *args: str) -> subprocess.CompletedProcess:
 def test_torchrun_generate_prints_throughput(nproc):
     result = torchrun_generate(nproc, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    expected = (rf"tiny-moe on {nproc} x cpu, num_ubatches=2, split policy always: {3 * nproc} requests, "
-                rf"{12 * nproc} tokens in .* tokens/s")
+    expected = (
+        rf"tiny-moe on {nproc} x cpu, num_ubatches=2, split policy always: {3 * nproc} requests, "
+        rf"{12 * nproc} tokens in .* tokens/s"
+    )
     assert re.search(expected, result.stdout)
 
 
 def test_torchrun_generate_calibrates_the_split_policy_on_every_rank_first():
-    result = torchrun_generate(2, "--prompts-per-rank", "3", "--max-new-tokens", "4", "--num-ubatches", "2",
-                               "--split-policy", "auto", "--calibrate-tokens", "32,96")
+    result = torchrun_generate(
+        2,
+        "--prompts-per-rank",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--num-ubatches",
+        "2",
+        "--split-policy",
+        "auto",
+        "--calibrate-tokens",
+        "32,96",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "split policy calibrated: StepCosts(" in result.stderr
     assert re.search(r"num_ubatches=2, split policy auto: 6 requests, 24 tokens in .* tokens/s", result.stdout)
@@ -438,7 +481,8 @@ def test_torchrun_generate_num_experts_fits_the_preset_to_the_world_size():
 
 @pytest.mark.slow
 def test_torchrun_generate_on_8_cpu_ranks_with_8_experts():
-    result = torchrun_generate(8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3",
-                      "--num-ubatches", "2")
+    result = torchrun_generate(
+        8, "--num-experts", "8", "--prompts-per-rank", "2", "--max-new-tokens", "3", "--num-ubatches", "2"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"tiny-moe on 8 x cpu, num_ubatches=2, split policy always: 16 requests, 48 tokens", result.stdout)

@@ -42,8 +42,22 @@ def test_profiler_records_the_kernels_of_a_graph_replay():
 @pytest.mark.cuda
 def test_graphs_decode_report_on_one_gpu(tmp_path, capsys):
     out, trace = tmp_path / "report.json", tmp_path / "trace.json"
-    main(["--graphs", "--workload", "decode", "--quick", "--preset", "tiny-moe", "--policy", "auto",
-          "--out", str(out), "--chrome-trace", str(trace)])
+    main(
+        [
+            "--graphs",
+            "--workload",
+            "decode",
+            "--quick",
+            "--preset",
+            "tiny-moe",
+            "--policy",
+            "auto",
+            "--out",
+            str(out),
+            "--chrome-trace",
+            str(trace),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["environment"]["device"].startswith("cuda")
     (r,) = report["results"]  # --quick: 256 tokens, N=2
@@ -66,7 +80,8 @@ def test_generate_workload_eager_and_graphs_on_one_gpu(tmp_path):
     out = tmp_path / "gen.json"
     main(["--workload", "generate", "--graphs", "--quick", "--model", "dense", "--preset", "small", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert [(r["graphs"], r["drafter"]) for r in rows] == [(g, d) for g in (False, True)
-                                                           for d in (None, "self", "truncated")]
+    assert [(r["graphs"], r["drafter"]) for r in rows] == [
+        (g, d) for g in (False, True) for d in (None, "self", "truncated")
+    ]
     assert all(r["tokens_per_s"] > 0 and r["generated_tokens"] == 4 * 8 for r in rows)
     assert all(r["acceptance_rate"] > 0.9 for r in rows if r["drafter"] == "self")

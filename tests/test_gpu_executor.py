@@ -61,8 +61,10 @@ def test_ubatched_equals_unsplit_with_a_green_sm_partition():
     wrapper = UBatchWrapper(model, num_ubatches=2, device="cuda", sm_partition=partition)
     with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers):
         expected = model(step.input_ids, step.positions)
-    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers,
-                                                     ubatch_slices=step.slices(2)):
+    with (
+        torch.inference_mode(),
+        set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=step.slices(2)),
+    ):
         got = wrapper(step.input_ids, step.positions)
     torch.testing.assert_close(got, expected, **GPU_TOL)
     assert partition.effective_mode == "green", partition.reason

@@ -16,8 +16,7 @@ def test_cuda_float32_greedy_equals_naive_recompute(preset):
     config = ModelConfig.preset(preset, dtype=torch.float32)
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
-    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16,
-                         max_num_batched_tokens=64)
+    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16, max_num_batched_tokens=64)
     outputs = runner.generate(prompts, 12)
     assert outputs == [naive_greedy(model, p, 12) for p in prompts]
 
@@ -29,8 +28,17 @@ def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatche
     config = ModelConfig.preset(preset, dtype=torch.float32)
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
-    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16, max_num_batched_tokens=64,
-                         num_ubatches=num_ubatches, cudagraph_capture_sizes=[4, 8, 16, 32, 64], max_model_len=256)
+    runner = ModelRunner(
+        model,
+        config,
+        device="cuda",
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_batched_tokens=64,
+        num_ubatches=num_ubatches,
+        cudagraph_capture_sizes=[4, 8, 16, 32, 64],
+        max_model_len=256,
+    )
     runner.capture_graphs()
     replayed = []
     replay = runner.graphs.replay

@@ -17,10 +17,21 @@ from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
 
 CONFIGS = {
-    "float32": (dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_experts=1),
-                dict(atol=1e-4, rtol=1e-4)),
-    "bf16": (dict(num_experts=8, top_k=2, hidden_size=128, moe_intermediate_size=128, num_shared_experts=1,
-                  dtype=torch.bfloat16), dict(atol=2e-2, rtol=2e-2)),
+    "float32": (
+        dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_experts=1),
+        dict(atol=1e-4, rtol=1e-4),
+    ),
+    "bf16": (
+        dict(
+            num_experts=8,
+            top_k=2,
+            hidden_size=128,
+            moe_intermediate_size=128,
+            num_shared_experts=1,
+            dtype=torch.bfloat16,
+        ),
+        dict(atol=2e-2, rtol=2e-2),
+    ),
 }
 
 
@@ -35,8 +46,9 @@ def test_single_batch_overlap_replay_equals_plain_eager(dtype, mode, chunks):
         layer.expert_chunks = chunks
     _, cache = make_step(model, [1] * 64, [BLOCK * MAX_BLOCKS - 1] * 64, block_size=BLOCK)
     sizes = [8, 16] if mode == CUDAGraphMode.FULL else [32]
-    graphed = GraphedModel(model, max_blocks_per_req=MAX_BLOCKS, capture_sizes=sizes, modes=(mode,),
-                           single_batch_overlap=True)
+    graphed = GraphedModel(
+        model, max_blocks_per_req=MAX_BLOCKS, capture_sizes=sizes, modes=(mode,), single_batch_overlap=True
+    )
     graphed.capture()
     plain = GraphedModel(model, max_blocks_per_req=MAX_BLOCKS, capture_sizes=[], modes=(mode,))
     shapes = _decode_shapes if mode == CUDAGraphMode.FULL else _mixed_shapes

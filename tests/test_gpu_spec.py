@@ -40,8 +40,9 @@ def test_speculative_generation_equals_plain_greedy(target, k, num_ubatches, gra
     config, model, prompts, reference = target
     draft = build_model(config.replace(num_layers=1), device="cuda")  # same seed: the target's first layer
     graph_args = dict(cudagraph_capture_sizes=[4, 8, 16, 32, 64], max_model_len=256) if graphs else {}
-    runner = ModelRunner(model, config, **RUNNER, num_ubatches=num_ubatches, draft_model=draft,
-                         num_speculative_tokens=k, **graph_args)
+    runner = ModelRunner(
+        model, config, **RUNNER, num_ubatches=num_ubatches, draft_model=draft, num_speculative_tokens=k, **graph_args
+    )
     if graphs:
         runner.capture_graphs()
         target_replays, draft_replays = _recording(runner.graphs), _recording(runner.drafter.graphs)
@@ -52,8 +53,9 @@ def test_speculative_generation_equals_plain_greedy(target, k, num_ubatches, gra
         assert verify and all(d.uniform_token_count == k + 1 for d in verify), target_replays
         assert any(d.num_ubatches == num_ubatches for d in verify), target_replays
         assert {d.cg_mode for d in draft_replays} == {FULL, PIECEWISE}, draft_replays
-        assert any(d.cg_mode == FULL and d.uniform_token_count == k + 1 for d in draft_replays), \
+        assert any(d.cg_mode == FULL and d.uniform_token_count == k + 1 for d in draft_replays), (
             "catch-ups after a verification are padded to k + 1 tokens and replay FULL"
+        )
         runner.close()
         assert runner.graphs.plan(4, 4, 1) is None and runner.drafter.graphs.plan(4, 4, 1) is None
 
@@ -64,8 +66,16 @@ def test_self_drafter_with_graphs_accepts_everything(target, num_ubatches):
     """The target drafting for itself: two graph managers over one model. Acceptance is 1.0 up
     to float32 rounding that differs between batch shapes (a near-tie may flip a draft)."""
     config, model, prompts, reference = target
-    runner = ModelRunner(model, config, **RUNNER, num_ubatches=num_ubatches, draft_model=model,
-                         num_speculative_tokens=3, cudagraph_capture_sizes=[4, 8, 16, 32, 64], max_model_len=256)
+    runner = ModelRunner(
+        model,
+        config,
+        **RUNNER,
+        num_ubatches=num_ubatches,
+        draft_model=model,
+        num_speculative_tokens=3,
+        cudagraph_capture_sizes=[4, 8, 16, 32, 64],
+        max_model_len=256,
+    )
     runner.capture_graphs()
     assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
     assert runner.spec_stats.acceptance_rate > 0.9

@@ -112,8 +112,10 @@ class _TPLayer(nn.Module):
 
 def _tp_weights(num_layers):
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(FFN, HIDDEN, generator=gen), torch.randn(HIDDEN, FFN, generator=gen) / FFN) for _ in
-            range(num_layers)]
+    return [
+        (torch.randn(FFN, HIDDEN, generator=gen), torch.randn(HIDDEN, FFN, generator=gen) / FFN)
+        for _ in range(num_layers)
+    ]
 
 
 def _dense(x, weights):
@@ -199,8 +201,13 @@ def _yields_once_per_collective(rank, world):
         return x
 
     x = torch.full((4, 2), float(rank + 1))
-    for fn, per_ubatch, expected in [(explicit, 1, 3.0), (bound_all_reduce_fn, 1, 3.0), (issued_async, 1, 3.0),
-                                     (functional, 1, 3.0), (broadcast, 0, 1.0)]:
+    for fn, per_ubatch, expected in [
+        (explicit, 1, 3.0),
+        (bound_all_reduce_fn, 1, 3.0),
+        (issued_async, 1, 3.0),
+        (functional, 1, 3.0),
+        (broadcast, 0, 1.0),
+    ]:
         yields.clear()
         events.clear()
         got = _run_split(UBatchWrapper(fn, num_ubatches=2, device="cpu"), x.clone(), 2)
@@ -233,8 +240,12 @@ def test_nothing_is_intercepted_outside_a_ubatched_call():
     seen = []
 
     def task(x):
-        seen.append((torch.ops._c10d_functional.all_reduce is packet,
-                     any(isinstance(m, CollectiveInterceptor) for m in _get_current_function_mode_stack())))
+        seen.append(
+            (
+                torch.ops._c10d_functional.all_reduce is packet,
+                any(isinstance(m, CollectiveInterceptor) for m in _get_current_function_mode_stack()),
+            )
+        )
         return x
 
     def failing(x):

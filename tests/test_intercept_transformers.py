@@ -23,9 +23,17 @@ def _mixtral_with_user_sharded_experts_overlaps(rank, world):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     example = _load_example("expert_parallel")
-    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                           num_experts_per_tok=2, max_position_embeddings=64)
+    config = MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     single = MixtralForCausalLM(config).eval()
     model = copy.deepcopy(single)
@@ -49,5 +57,3 @@ def _mixtral_with_user_sharded_experts_overlaps(rank, world):
 def test_transformers_mixtral_with_user_sharded_experts_overlaps():
     pytest.importorskip("transformers")
     run_distributed(_mixtral_with_user_sharded_experts_overlaps, 2)
-
-

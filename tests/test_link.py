@@ -153,9 +153,12 @@ def test_the_scheduler_waits_on_a_cpu_link_work():
     def task(i):
         def run():
             current_ubatch().run_collective(
-                "all_to_all_single", lambda is_async: link.all_to_all_single(outputs[i], inputs[i], async_op=is_async),
-                None)
+                "all_to_all_single",
+                lambda is_async: link.all_to_all_single(outputs[i], inputs[i], async_op=is_async),
+                None,
+            )
             return outputs[i].sum().item()
+
         return run
 
     assert UBatchScheduler(2, "cpu").run([task(0), task(1)]) == [0.0, 2_500.0]
@@ -165,16 +168,19 @@ def test_the_scheduler_waits_on_a_cpu_link_work():
 # --- validation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(world_size=0), ValueError, "world_size"),
-    (dict(world_size=True), ValueError, "world_size"),
-    (dict(world_size=2.0), ValueError, "world_size"),
-    (dict(world_size=2, bandwidth_gbps=0), ValueError, "positive"),
-    (dict(world_size=2, bandwidth_gbps=math.inf), ValueError, "positive"),
-    (dict(world_size=2, bandwidth_gbps="25"), TypeError, "number"),
-    (dict(world_size=2, chunk_bytes=1000), ValueError, "chunk_bytes"),
-    (dict(world_size=2, device="meta"), ValueError, "cpu or cuda"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(world_size=0), ValueError, "world_size"),
+        (dict(world_size=True), ValueError, "world_size"),
+        (dict(world_size=2.0), ValueError, "world_size"),
+        (dict(world_size=2, bandwidth_gbps=0), ValueError, "positive"),
+        (dict(world_size=2, bandwidth_gbps=math.inf), ValueError, "positive"),
+        (dict(world_size=2, bandwidth_gbps="25"), TypeError, "number"),
+        (dict(world_size=2, chunk_bytes=1000), ValueError, "chunk_bytes"),
+        (dict(world_size=2, device="meta"), ValueError, "cpu or cuda"),
+    ],
+)
 def test_constructor_rejects_bad_settings(kwargs, error, match):
     with pytest.raises(error, match=match):
         HostLink(**kwargs)
@@ -208,12 +214,15 @@ def test_collectives_reject_bad_tensors():
         link.all_reduce(torch.empty(3, device="meta"))
 
 
-@pytest.mark.parametrize("splits, match", [
-    ([2, 2], "must hold 3 ints"),
-    ([2, 2, -1, 3], "must hold 3 ints"),
-    ([1, 1, True], "must hold 3 ints"),
-    ([2, 2, 3], "sums to 7"),
-])
+@pytest.mark.parametrize(
+    "splits, match",
+    [
+        ([2, 2], "must hold 3 ints"),
+        ([2, 2, -1, 3], "must hold 3 ints"),
+        ([1, 1, True], "must hold 3 ints"),
+        ([2, 2, 3], "sums to 7"),
+    ],
+)
 def test_all_to_all_rejects_bad_split_sizes(splits, match):
     x = torch.randn(6, 2)
     with pytest.raises(ValueError, match=match):
@@ -252,16 +261,38 @@ def test_world_and_rank_are_what_models_shard_for():
 # --- the CLI form -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, world, gbps", [
-    ("host", 2, None), ("host:25", 2, 25.0), ("host:12.5:w4", 4, 12.5), ("host::w8", 8, None), ("host:50:w1", 1, 50.0),
-])
+@pytest.mark.parametrize(
+    "text, world, gbps",
+    [
+        ("host", 2, None),
+        ("host:25", 2, 25.0),
+        ("host:12.5:w4", 4, 12.5),
+        ("host::w8", 8, None),
+        ("host:50:w1", 1, 50.0),
+    ],
+)
 def test_parse_link(text, world, gbps):
     link = parse_link(text)
     assert (link.world_size, link.bandwidth_gbps) == (world, gbps)
 
 
-@pytest.mark.parametrize("text", ["", "hosts", "nccl:25", "host:", "host:fast", "host:0", "host:-3", "host:nan",
-                                  "host:25:4", "host:25:w0", "host:25:wx", "host:25:w4:1"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "hosts",
+        "nccl:25",
+        "host:",
+        "host:fast",
+        "host:0",
+        "host:-3",
+        "host:nan",
+        "host:25:4",
+        "host:25:w0",
+        "host:25:wx",
+        "host:25:w4:1",
+    ],
+)
 def test_parse_link_names_the_bad_text(text):
     with pytest.raises(ValueError, match=f"link {text!r}"):
         parse_link(text)
@@ -387,10 +418,17 @@ def simulated_gpu(monkeypatch):
         finally:
             gpu.current = previous
 
-    for name, value in dict(Stream=Stream, Event=gpu.event(), current_stream=lambda *a: gpu.current,
-                            stream=use_stream, device=lambda d: contextlib.nullcontext(),
-                            synchronize=lambda *a: gpu.run(), _sleep=lambda cycles: gpu.current.add(None),
-                            is_current_stream_capturing=lambda: False, current_device=lambda: 0).items():
+    for name, value in dict(
+        Stream=Stream,
+        Event=gpu.event(),
+        current_stream=lambda *a: gpu.current,
+        stream=use_stream,
+        device=lambda d: contextlib.nullcontext(),
+        synchronize=lambda *a: gpu.run(),
+        _sleep=lambda cycles: gpu.current.add(None),
+        is_current_stream_capturing=lambda: False,
+        current_device=lambda: 0,
+    ).items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
@@ -508,8 +546,11 @@ def test_cuda_link_on_the_schedulers_comm_stream():
         def run():
             current_ubatch().run_collective(
                 "all_to_all_single",
-                lambda is_async: link.all_to_all_single(outputs[i], inputs[i], async_op=is_async), None)
+                lambda is_async: link.all_to_all_single(outputs[i], inputs[i], async_op=is_async),
+                None,
+            )
             return outputs[i] * 2
+
         return run
 
     got = sched.run([task(0), task(1)])
@@ -540,11 +581,18 @@ def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth):
 
 def test_link_bandwidth_script_table_and_cpu_exit(capsys):
     spec = importlib.util.spec_from_file_location(
-        "link_bandwidth", Path(__file__).resolve().parents[1] / "scripts" / "link_bandwidth.py")
+        "link_bandwidth", Path(__file__).resolve().parents[1] / "scripts" / "link_bandwidth.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    row = dict(bandwidth_set_gbps=25.0, payload_mb=64, alone_gbps=24.0, beside_gemm_gbps=23.0, gemm_slowdown=1.08,
-               host_bound=False)
+    row = dict(
+        bandwidth_set_gbps=25.0,
+        payload_mb=64,
+        alone_gbps=24.0,
+        beside_gemm_gbps=23.0,
+        gemm_slowdown=1.08,
+        host_bound=False,
+    )
     script._print_table([row, {**row, "bandwidth_set_gbps": None, "payload_mb": 1, "host_bound": True}])
     out = capsys.readouterr().out
     assert "-4% vs set" in out and "host-bound" in out

@@ -43,8 +43,10 @@ def test_presets_and_kind():
         (dict(dtype="int8"), r"dtype .* got 'int8'"),
         (dict(num_experts=4, top_k=5, moe_intermediate_size=8), r"top_k must be in \[1, num_experts=4\], got 5"),
         (dict(num_experts=4, top_k=2, moe_intermediate_size=0), r"moe_intermediate_size .* got 0"),
-        (dict(num_experts=4, top_k=2, moe_intermediate_size=8, capacity_factor=0.0),
-         r"capacity_factor must be > 0 or None, got 0\.0"),
+        (
+            dict(num_experts=4, top_k=2, moe_intermediate_size=8, capacity_factor=0.0),
+            r"capacity_factor must be > 0 or None, got 0\.0",
+        ),
         (dict(num_experts=-1), r"num_experts must be an integer >= 0, got -1"),
     ],
 )
@@ -109,16 +111,19 @@ def test_rotary_matches_complex_rotation_and_keeps_relative_positions():
     positions = torch.tensor([0, 1, 5, 37, 1000, 4095])
     x = torch.randn(len(positions), 3 * head_dim, generator=g)
     # float32 angles carry an absolute error of about position * 6e-8 radians (2.4e-4 at 4095).
-    torch.testing.assert_close(rotary.rotate(positions, x).double(), _rotate_complex(x, positions, head_dim, theta),
-                               atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        rotary.rotate(positions, x).double(), _rotate_complex(x, positions, head_dim, theta), atol=1e-3, rtol=0
+    )
     # Rotating query and key heads together equals rotating them apart.
-    q, k = x[:, : 2 * head_dim], x[:, 2 * head_dim:]
+    q, k = x[:, : 2 * head_dim], x[:, 2 * head_dim :]
     both = rotary.rotate(positions, x)
     torch.testing.assert_close(both, torch.cat([rotary.rotate(positions, q), rotary.rotate(positions, k)], dim=1))
     # A query-key score depends only on the distance between their positions.
     qv, kv = torch.randn(1, head_dim, generator=g), torch.randn(1, head_dim, generator=g)
-    scores = [(rotary.rotate(torch.tensor([m]), qv) * rotary.rotate(torch.tensor([n]), kv)).sum()
-              for m, n in [(3, 1), (10, 8), (1002, 1000)]]
+    scores = [
+        (rotary.rotate(torch.tensor([m]), qv) * rotary.rotate(torch.tensor([n]), kv)).sum()
+        for m, n in [(3, 1), (10, 8), (1002, 1000)]
+    ]
     torch.testing.assert_close(scores[1], scores[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(scores[2], scores[0], atol=1e-4, rtol=1e-4)
 
@@ -140,7 +145,7 @@ def test_attention_block_matches_direct_causal_attention():
     v = (x @ wv.T).double().view(-1, kv_heads, d)
     expected, start = [], 0
     for n in lengths:
-        qs, ks, vs = (t[start:start + n] for t in (q, k, v))
+        qs, ks, vs = (t[start : start + n] for t in (q, k, v))
         ks, vs = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (ks, vs))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(d)
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -228,11 +233,14 @@ def _parallel_worker(rank: int, port: int, world: int) -> None:
         # EP: each rank runs its own tokens (same count per rank, as DP padding guarantees).
         lengths = [[6, 10], [16]][rank]
         for preset in ("tiny-moe", "tiny-moe-shared"):
-            _check_sharded(ModelConfig.preset(preset), _random_sequences(lengths, 128, seed=10 + rank),
-                           ep_group=group)
+            _check_sharded(ModelConfig.preset(preset), _random_sequences(lengths, 128, seed=10 + rank), ep_group=group)
         # TP attention + shared expert with EP routed experts: TP needs the same tokens everywhere.
-        _check_sharded(ModelConfig.preset("tiny-moe-shared", capacity_factor=8.0),
-                       _random_sequences([7, 9], 128, seed=20), ep_group=group, tp_group=group)
+        _check_sharded(
+            ModelConfig.preset("tiny-moe-shared", capacity_factor=8.0),
+            _random_sequences([7, 9], 128, seed=20),
+            ep_group=group,
+            tp_group=group,
+        )
         match = r"num_experts \(3\) must be divisible by the expert-parallel world size \(2\)"
         with pytest.raises(ValueError, match=match):
             build_model(ModelConfig.preset("tiny-moe", num_experts=3), device="cpu", ep_group=group)

@@ -25,9 +25,14 @@ CONFIG = dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_exper
 
 
 def _forward(runnable, model, step, slices=None):
-    with torch.inference_mode(), set_forward_context(
-        step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
-        num_tokens=step.num_tokens,
+    with (
+        torch.inference_mode(),
+        set_forward_context(
+            step.attn_metadata,
+            no_compile_layers=model.attention_layers,
+            ubatch_slices=slices,
+            num_tokens=step.num_tokens,
+        ),
     ):
         return runnable(step.input_ids, step.positions)
 

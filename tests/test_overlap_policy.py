@@ -13,13 +13,16 @@ from ubatch.overlap import OverlapMode, parse_modes, supported
 from ubatch.policy import ModePolicy
 
 
-@pytest.mark.parametrize("text, mode", [
-    ("unsplit", OverlapMode()),
-    ("overlap", OverlapMode(single_batch=True)),
-    ("pipeline4", OverlapMode(expert_chunks=4)),
-    ("split3", OverlapMode(num_ubatches=3)),
-    ("split2+pipeline2", OverlapMode(num_ubatches=2, expert_chunks=2)),
-])
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("unsplit", OverlapMode()),
+        ("overlap", OverlapMode(single_batch=True)),
+        ("pipeline4", OverlapMode(expert_chunks=4)),
+        ("split3", OverlapMode(num_ubatches=3)),
+        ("split2+pipeline2", OverlapMode(num_ubatches=2, expert_chunks=2)),
+    ],
+)
 def test_modes_parse_and_name_themselves(text, mode):
     assert OverlapMode.parse(text) == mode and mode.name == text
     assert mode.runs_as_ubatches == (text != "unsplit")
@@ -36,8 +39,9 @@ def test_parse_modes_puts_the_unsplit_baseline_first_once():
 
 
 def test_mode_policy_interpolates_and_prefers_the_simpler_mode_on_a_tie():
-    policy = ModePolicy({"unsplit": {256: 10.0, 1024: 20.0}, "overlap": {256: 9.0, 1024: 21.0},
-                         "split2": {256: 9.95, 1024: 15.0}})
+    policy = ModePolicy(
+        {"unsplit": {256: 10.0, 1024: 20.0}, "overlap": {256: 9.0, 1024: 21.0}, "split2": {256: 9.95, 1024: 15.0}}
+    )
     assert policy.decide(256) == "overlap"
     assert policy.predict_ms("split2", 640) == pytest.approx(9.95 + (15.0 - 9.95) * 384 / 768)
     assert policy.decide(1024) == "split2"
@@ -85,23 +89,44 @@ def test_timing_spread():
 
 
 def test_the_link_stand_ins_copies_and_pacing_count_as_communication():
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "kernel", "name": "spin_kernel(long)", "ts": 10.0, "dur": 4.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 14.0, "dur": 2.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 15.0, "dur": 2.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 16.0, "dur": 1.0},
-        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 8.0},
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "spin_kernel(long)", "ts": 10.0, "dur": 4.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 14.0, "dur": 2.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 15.0, "dur": 2.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 16.0, "dur": 1.0},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 8.0},
+        ]
+    }
     kernels = kernels_in_trace(trace)
-    assert [k.name for k in kernels if k.is_comm] == ["spin_kernel(long)", "Memcpy DtoH (Device -> Pinned)",
-                                                       "Memcpy HtoD (Pinned -> Device)"]
+    assert [k.name for k in kernels if k.is_comm] == [
+        "spin_kernel(long)",
+        "Memcpy DtoH (Device -> Pinned)",
+        "Memcpy HtoD (Pinned -> Device)",
+    ]
     assert kernel_costs(kernels) == pytest.approx((8.0 / 1e3, 7.0 / 1e3))
 
 
 def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_pick(tmp_path, capsys):
     out = tmp_path / "modes.json"
-    main(["--preset", "tiny-deepseek", "--modes", "overlap,pipeline2,split2", "--link", "host:50",
-          "--tokens", "64", "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    main(
+        [
+            "--preset",
+            "tiny-deepseek",
+            "--modes",
+            "overlap,pipeline2,split2",
+            "--link",
+            "host:50",
+            "--tokens",
+            "64",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["results"]] == ["unsplit", "overlap", "pipeline2", "split2"]
     assert report["setup"]["link"]["kind"] == "host-link stand-in" and report["setup"]["link"]["world_size"] == 2
@@ -110,13 +135,16 @@ def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_
     assert "auto at 64 tokens picks" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--modes", "split0"], "must be an int"),
-    (["--modes", "fast"], "unknown overlap mode"),
-    (["--link", "infiniband"], "link"),
-    (["--link", "host", "--nproc", "2"], "--link stands in"),
-    (["--modes", "overlap", "--workload", "generate"], "--modes applies to single steps"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--modes", "split0"], "must be an int"),
+        (["--modes", "fast"], "unknown overlap mode"),
+        (["--link", "infiniband"], "link"),
+        (["--link", "host", "--nproc", "2"], "--link stands in"),
+        (["--modes", "overlap", "--workload", "generate"], "--modes applies to single steps"),
+    ],
+)
 def test_bench_refuses_bad_modes_and_links_before_the_run(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--device", "cpu", *argv])

@@ -83,20 +83,30 @@ def test_replay_of_a_fresh_report_repeats_the_bench_s_own_picks(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["auto"]["calibration"]) == {"64", "256"}
     assert [(p.tokens, p.choice, p.best) for p in replay(report)] == [
-        (p["tokens_per_rank"], p["choice"], p["best"]) for p in report["auto"]["points"]]
+        (p["tokens_per_rank"], p["choice"], p["best"]) for p in report["auto"]["points"]
+    ]
 
 
 def test_replay_recovers_the_samples_of_reports_that_kept_only_fitted_costs():
     from ubatch.bench.replay import calibration_samples, replay
 
-    costs = {"compute_ms_per_token": 0.02, "comm_ms": {"intercept": 1.0, "slope": 0.03}, "host_ms": 20.0,
-             "ubatch_host_ms": 18.0, "ubatch_gpu_ms": 4.0, "stages": 16}
+    costs = {
+        "compute_ms_per_token": 0.02,
+        "comm_ms": {"intercept": 1.0, "slope": 0.03},
+        "host_ms": 20.0,
+        "ubatch_host_ms": 18.0,
+        "ubatch_gpu_ms": 4.0,
+        "stages": 16,
+    }
     rows = [{"tokens_per_rank": 1024, "num_ubatches": 2, "baseline_ms": 54.0, "ubatched_ms": 40.0}]
-    report = {"args": {"calibrate_tokens": [2048, 256], "num_ubatches": [2]}, "auto": {"costs": costs},
-              "results": rows}
+    report = {"args": {"calibrate_tokens": [2048, 256], "num_ubatches": [2]}, "auto": {"costs": costs}, "results": rows}
     samples = calibration_samples(report)
-    assert samples[256] == {"compute_ms": None, "comm_ms": pytest.approx(8.68), "baseline_ms": 20.0,
-                            "ubatched_ms": 36.0}
+    assert samples[256] == {
+        "compute_ms": None,
+        "comm_ms": pytest.approx(8.68),
+        "baseline_ms": 20.0,
+        "ubatched_ms": 36.0,
+    }
     pipeline = 2 * (1.0 + 0.03 * 1024) + 0.02 * 1024 / 16  # comm-bound at 2048 tokens in two
     assert samples[2048]["ubatched_ms"] == pytest.approx(pipeline + 8.0)
     [point] = replay(report)
@@ -119,9 +129,8 @@ def test_replayed_on_every_committed_h200_sweep_auto_stays_within_0_97_of_the_be
 
 def test_calibrated_policy_times_the_model_and_gives_its_kv_caches_back():
     from ubatch.bench.calibration import calibrated_policy
-    from ubatch.models import ModelConfig, build_model
-
     from ubatch.bench.workload import make_step
+    from ubatch.models import ModelConfig, build_model
 
     model = build_model(ModelConfig.preset("tiny-moe"), device="cpu")
     make_step(model, [4])  # binds a KV cache, as a runner would
@@ -131,8 +140,10 @@ def test_calibrated_policy_times_the_model_and_gives_its_kv_caches_back():
     assert policy.candidates == [1, 3] and policy.costs.stages == 2 * model.config.num_layers
     assert policy.costs.compute_ms_per_token > 0 and policy.costs.split_stretch >= 1.0
     assert policy.decide(96) in (1, 3)
-    for kwargs, match in [(dict(num_ubatches=1), "num_ubatches must be an integer >= 2, got 1"),
-                          (dict(sizes=(64,)), "at least two token counts"),
-                          (dict(prompt_len=0), "prompt_len must be >= 1, got 0")]:
+    for kwargs, match in [
+        (dict(num_ubatches=1), "num_ubatches must be an integer >= 2, got 1"),
+        (dict(sizes=(64,)), "at least two token counts"),
+        (dict(prompt_len=0), "prompt_len must be >= 1, got 0"),
+    ]:
         with pytest.raises(ValueError, match=match):
             calibrated_policy(model, **kwargs)

@@ -30,14 +30,33 @@ replay_policy = _load("replay_policy")
 
 
 def _trace():
-    launch = [("cudaLaunchKernel", 100, 1), ("cudaLaunchKernel", 110, 2), ("cuLaunchKernelEx", 120, 3),
-              ("cudaLaunchKernel", 400, 4)]
-    kernels = [("void gemm<float>(int)", 105, 100, 1, 7), ("ncclDevKernel_SendRecv(args)", 205, 150, 3, 9),
-               ("void gemm<float>(int)", 360, 100, 2, 7), ("void add<half>(int)", 470, 10, 4, 7)]
-    events = [{"cat": "cuda_driver" if n.startswith("cu") and not n.startswith("cuda") else "cuda_runtime",
-               "name": n, "ph": "X", "ts": ts, "dur": 5, "args": {"correlation": c}} for n, ts, c in launch]
-    events += [{"cat": "kernel", "name": n, "ph": "X", "ts": ts, "dur": d, "args": {"correlation": c, "stream": s}}
-               for n, ts, d, c, s in kernels]
+    launch = [
+        ("cudaLaunchKernel", 100, 1),
+        ("cudaLaunchKernel", 110, 2),
+        ("cuLaunchKernelEx", 120, 3),
+        ("cudaLaunchKernel", 400, 4),
+    ]
+    kernels = [
+        ("void gemm<float>(int)", 105, 100, 1, 7),
+        ("ncclDevKernel_SendRecv(args)", 205, 150, 3, 9),
+        ("void gemm<float>(int)", 360, 100, 2, 7),
+        ("void add<half>(int)", 470, 10, 4, 7),
+    ]
+    events = [
+        {
+            "cat": "cuda_driver" if n.startswith("cu") and not n.startswith("cuda") else "cuda_runtime",
+            "name": n,
+            "ph": "X",
+            "ts": ts,
+            "dur": 5,
+            "args": {"correlation": c},
+        }
+        for n, ts, c in launch
+    ]
+    events += [
+        {"cat": "kernel", "name": n, "ph": "X", "ts": ts, "dur": d, "args": {"correlation": c, "stream": s}}
+        for n, ts, d, c, s in kernels
+    ]
     events.append({"cat": "gpu_memcpy", "name": "Memcpy", "ph": "X", "ts": 90, "dur": 1, "args": {}})
     return {"traceEvents": events}
 
@@ -58,8 +77,13 @@ def test_trace_origin_is_the_first_launch_or_kernel():
 def _config(n, comm, origin=0.0):
     """A profiled configuration whose NCCL kernels are ``comm`` (start, end) pairs, beside a gemm."""
     kernels = [[0, 0, 7, 0, 50, 0], [0, 0, 8, 40, 80, 0]] + [[1, 1, 9, a, b, 0] for a, b in comm]
-    return {"mode": "green:16", "num_ubatches": n, "wall_ms": 0.3 if n == 1 else 0.25, "origin_us": origin,
-            "kernels": kernels}
+    return {
+        "mode": "green:16",
+        "num_ubatches": n,
+        "wall_ms": 0.3 if n == 1 else 0.25,
+        "origin_us": origin,
+        "kernels": kernels,
+    }
 
 
 def test_comm_waits_split_kernel_time_into_transfer_and_waiting():
@@ -108,11 +132,18 @@ def test_table_lists_kernel_families_that_grow(tmp_path, capsys, monkeypatch):
     names = ["void gemm<float>(int)", "ncclDevKernel_SendRecv(args)"]
     unsplit = [[0, 0, 7, 0, 1000, 0], [1, 1, 9, 1000, 3000, 0]]
     split = [[0, 0, 7, 0, 900, 0], [0, 0, 8, 900, 1800, 0], [1, 1, 9, 900, 2000, 0], [1, 1, 9, 2000, 3100, 0]]
-    report = {"kernel_names": names, "configs": [
-        {"mode": "green:16", "num_ubatches": 1, "wall_ms": 3.0, "kernels": unsplit},
-        {"mode": "green:16", "num_ubatches": 2, "wall_ms": 3.1, "kernels": split}]}
+    report = {
+        "kernel_names": names,
+        "configs": [
+            {"mode": "green:16", "num_ubatches": 1, "wall_ms": 3.0, "kernels": unsplit},
+            {"mode": "green:16", "num_ubatches": 2, "wall_ms": 3.1, "kernels": split},
+        ],
+    }
     assert profile_table.family("void gemm<float>(int)") == "gemm"
-    assert profile_table.family_totals(report["configs"][1], names) == {"gemm": (2, 1.8), "ncclDevKernel_SendRecv": (2, 2.2)}
+    assert profile_table.family_totals(report["configs"][1], names) == {
+        "gemm": (2, 1.8),
+        "ncclDevKernel_SendRecv": (2, 2.2),
+    }
     text = profile_table.table(report, "green:16", top=5)
     assert "unsplit -> N=2" in text and "gemm" in text.splitlines()[-1]
     with pytest.raises(ValueError, match="no unsplit"):
@@ -149,14 +180,28 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
 
 @pytest.mark.parametrize("num_ubatches", [1, 2])
 def test_first_use_cost_serves_the_same_requests_twice(capsys, num_ubatches):
-    row = first_use_cost.main(["--device", "cpu", "--requests", "5", "--prompt-len", "12", "--max-new-tokens", "6",
-                               "--num-ubatches", str(num_ubatches)])
+    row = first_use_cost.main(
+        [
+            "--device",
+            "cpu",
+            "--requests",
+            "5",
+            "--prompt-len",
+            "12",
+            "--max-new-tokens",
+            "6",
+            "--num-ubatches",
+            str(num_ubatches),
+        ]
+    )
     assert json.loads(capsys.readouterr().out) == row
     assert row["attention"] == "builtin_flash" and row["path"] == "sdpa", "no built-in flash kernel on CPU"
     assert row["num_ubatches"] == num_ubatches
     assert row["cold_tokens"] == row["warm_tokens"] > 5
     assert row["cold_tokens_per_s"] > 0 and row["warm_tokens_per_s"] > 0
-    _, limits = first_use_cost.staggered_requests(first_use_cost.parse_args(["--requests", "5", "--max-new-tokens", "6"]), 64)
+    _, limits = first_use_cost.staggered_requests(
+        first_use_cost.parse_args(["--requests", "5", "--max-new-tokens", "6"]), 64
+    )
     assert sum(limits) == row["cold_tokens"], "every request generates its own drawn length"
 
 
@@ -170,10 +215,15 @@ def test_first_use_cost_math_choice_leaves_only_the_math_path():
     assert torch.backends.cuda.flash_sdp_enabled(), "the choice ends with the block"
 
 
-@pytest.mark.parametrize("choice, supported, path", [
-    ("builtin_flash", True, "builtin_flash"), ("sdpa", True, "sdpa"), ("math", True, "sdpa_math"),
-    ("builtin_flash", False, "sdpa"),
-])
+@pytest.mark.parametrize(
+    "choice, supported, path",
+    [
+        ("builtin_flash", True, "builtin_flash"),
+        ("sdpa", True, "sdpa"),
+        ("math", True, "sdpa_math"),
+        ("builtin_flash", False, "sdpa"),
+    ],
+)
 def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choice, supported, path):
     import torch
 
@@ -186,8 +236,9 @@ def test_first_use_cost_rows_name_the_attention_path_that_ran(monkeypatch, choic
 
 
 def test_first_use_cost_warms_up_on_other_requests_first(capsys):
-    row = first_use_cost.main(["--device", "cpu", "--requests", "4", "--prompt-len", "12", "--max-new-tokens", "4",
-                               "--warmup-requests", "3"])
+    row = first_use_cost.main(
+        ["--device", "cpu", "--requests", "4", "--prompt-len", "12", "--max-new-tokens", "4", "--warmup-requests", "3"]
+    )
     assert row["warmup_requests"] == 3 and row["warmup_s"] > 0 and row["cold_tokens"] == row["warm_tokens"]
 
 
@@ -198,8 +249,10 @@ def test_first_use_cost_flash_names_the_flash_attn_version_and_needs_cuda():
     from ubatch.models import ModelConfig
 
     backend = FlashAttentionBackend("fa4", lambda *args, **kwargs: None)
-    assert first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), "flash") == \
-        "flash_attn_fa4"
+    assert (
+        first_use_cost.attention_path(backend, ModelConfig.preset("tiny"), torch.device("cpu"), "flash")
+        == "flash_attn_fa4"
+    )
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         first_use_cost.make_backend("flash", torch.device("cpu"))
 

@@ -18,8 +18,16 @@ from ubatch.models.config import ModelConfig
 
 # hidden 8, one layer, 2 query heads and 1 KV head of 4, bf16: q_dim 8, kv_dim 4, QKV + O weights
 # 8 * (8 + 2 * 4) + 8 * 8 = 192 elements.
-DENSE = ModelConfig(vocab_size=32, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
-                    intermediate_size=16, dtype=torch.bfloat16)
+DENSE = ModelConfig(
+    vocab_size=32,
+    hidden_size=8,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    dtype=torch.bfloat16,
+)
 MOE = DENSE.replace(num_experts=4, top_k=2, moe_intermediate_size=16, num_shared_experts=1)
 UNIT = dict(hbm_gbps=1.0, peak_tflops=1.0)  # 1e9 bytes/s, 1e12 FLOP/s
 
@@ -41,17 +49,20 @@ def test_dense_decode():
 
 
 def test_dense_prefill_is_causal():
-    r = step_roofline(DENSE, num_tokens=6, num_reqs=2, context_len_per_req=[0, 3], query_len_per_req=[2, 4],
-                      **UNIT)
+    r = step_roofline(DENSE, num_tokens=6, num_reqs=2, context_len_per_req=[0, 3], query_len_per_req=[2, 4], **UNIT)
     # Query-key pairs: request 0 (2 new, none cached) 1 + 2 = 3; request 1 (4 new after 3 cached) 4 + 5 + 6 + 7.
-    check(r, weight=384 + 32 + 768 + 16 + 6 * 16, kv=(2 + 7) * 2 * 4 * 2, activation=2 * 6 * 16,
-          flops=2 * 6 * 192 + 4 * (3 + 22) * 8 + 2 * 6 * 384)
+    check(
+        r,
+        weight=384 + 32 + 768 + 16 + 6 * 16,
+        kv=(2 + 7) * 2 * 4 * 2,
+        activation=2 * 6 * 16,
+        flops=2 * 6 * 192 + 4 * (3 + 22) * 8 + 2 * 6 * 384,
+    )
 
 
 def test_tokens_split_evenly_over_requests_by_default():
     even = step_roofline(DENSE, num_tokens=7, num_reqs=2, context_len_per_req=0, **UNIT)
-    given_lens = step_roofline(DENSE, num_tokens=7, num_reqs=2, context_len_per_req=0, query_len_per_req=[4, 3],
-                               **UNIT)
+    given_lens = step_roofline(DENSE, num_tokens=7, num_reqs=2, context_len_per_req=0, query_len_per_req=[4, 3], **UNIT)
     assert even == given_lens
 
 
@@ -61,8 +72,13 @@ def test_moe_decode_reads_only_the_touched_experts():
     # router (4 * 8 * 4 B) and the shared expert (3 * 8 * 16).
     ffn_bytes = 4 * 8 * 4 + (2 * 384 + 384) * 2
     ffn_flops = 2 * (4 * 8 + 3 * 8 * (2 * 16 + 16))
-    check(r, weight=384 + 32 + ffn_bytes + 16 + 16, kv=6 * 2 * 4 * 2, activation=2 * 16,
-          flops=2 * 192 + 4 * 6 * 8 + ffn_flops)
+    check(
+        r,
+        weight=384 + 32 + ffn_bytes + 16 + 16,
+        kv=6 * 2 * 4 * 2,
+        activation=2 * 16,
+        flops=2 * 192 + 4 * 6 * 8 + ffn_flops,
+    )
 
 
 def test_moe_expert_parallel_rank_share():
@@ -76,8 +92,9 @@ def test_moe_expert_parallel_rank_share():
 
 def test_moe_prefill_reads_every_expert_and_is_compute_bound_on_the_bench_preset():
     r = step_roofline(MOE, num_tokens=200, num_reqs=1, context_len_per_req=0, **UNIT)
-    all_experts = step_roofline(MOE.replace(num_experts=2, top_k=2), num_tokens=200, num_reqs=1,
-                                context_len_per_req=0, **UNIT)
+    all_experts = step_roofline(
+        MOE.replace(num_experts=2, top_k=2), num_tokens=200, num_reqs=1, context_len_per_req=0, **UNIT
+    )
     # 4 experts and a 4-expert router against 2 and a 2-expert router, with all experts touched in both.
     assert r.weight_bytes - all_experts.weight_bytes == pytest.approx(2 * 384 * 2 + 2 * 8 * 4)
     bench = ModelConfig.preset("moe-bench", num_layers=4)
@@ -87,10 +104,17 @@ def test_moe_prefill_reads_every_expert_and_is_compute_bound_on_the_bench_preset
 
 def test_tensor_parallel_splits_heads_mlp_and_kv():
     whole = step_roofline(DENSE, num_tokens=4, num_reqs=4, context_len_per_req=9, **UNIT)
-    half = step_roofline(DENSE.replace(num_heads=4, num_kv_heads=2), num_tokens=4, num_reqs=4,
-                         context_len_per_req=9, tp_world=2, **UNIT)
-    doubled = step_roofline(DENSE.replace(num_heads=4, num_kv_heads=2, intermediate_size=32), num_tokens=4,
-                            num_reqs=4, context_len_per_req=9, tp_world=2, **UNIT)
+    half = step_roofline(
+        DENSE.replace(num_heads=4, num_kv_heads=2), num_tokens=4, num_reqs=4, context_len_per_req=9, tp_world=2, **UNIT
+    )
+    doubled = step_roofline(
+        DENSE.replace(num_heads=4, num_kv_heads=2, intermediate_size=32),
+        num_tokens=4,
+        num_reqs=4,
+        context_len_per_req=9,
+        tp_world=2,
+        **UNIT,
+    )
     assert half.kv_bytes == whole.kv_bytes and half.weight_bytes == whole.weight_bytes - 3 * 8 * 8 * 2
     assert doubled.flops == whole.flops
     assert doubled.weight_bytes == whole.weight_bytes
@@ -106,15 +130,19 @@ def test_fraction_bound_and_format():
     r = Roofline(weight_bytes=1.0, kv_bytes=0.0, activation_bytes=0.0, flops=1.0, bytes_ms=4.2, flops_ms=1.0)
     assert r.fraction(13.5) == pytest.approx(4.2 / 13.5)
     assert format_roofline(r, 13.5) == "31% of 4.2 ms (memory)"
-    compute = Roofline(weight_bytes=1.0, kv_bytes=0.0, activation_bytes=0.0, flops=1.0, bytes_ms=0.1,
-                       flops_ms=0.25)
+    compute = Roofline(weight_bytes=1.0, kv_bytes=0.0, activation_bytes=0.0, flops=1.0, bytes_ms=0.1, flops_ms=0.25)
     assert format_roofline(compute, 0.5) == "50% of 0.25 ms (compute)"
     assert compute.as_dict()["floor_ms"] == 0.25 and compute.as_dict()["bound"] == "compute"
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 3000), more=st.integers(1, 3000), context=st.integers(0, 2000),
-       moe=st.booleans(), decode=st.booleans())
+@given(
+    tokens=st.integers(1, 3000),
+    more=st.integers(1, 3000),
+    context=st.integers(0, 2000),
+    moe=st.booleans(),
+    decode=st.booleans(),
+)
 def test_monotonic_in_tokens(tokens, more, context, moe, decode):
     config = ModelConfig.preset("moe-bench" if moe else "dense-bench")
 
@@ -126,22 +154,25 @@ def test_monotonic_in_tokens(tokens, more, context, moe, decode):
     assert large.floor_ms > small.floor_ms
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(num_tokens=0), ValueError, "num_tokens"),
-    (dict(num_tokens=True), ValueError, "num_tokens"),
-    (dict(num_reqs=5), ValueError, r"num_reqs \(5\) > num_tokens \(4\)"),
-    (dict(context_len_per_req=-1), ValueError, "context_len_per_req"),
-    (dict(context_len_per_req=[1, 2]), ValueError, "2 entries for 4 requests"),
-    (dict(context_len_per_req=[1, 2, 3, 1.5]), ValueError, "context_len_per_req entry"),
-    (dict(context_len_per_req="1234"), TypeError, "sequence of ints"),
-    (dict(query_len_per_req=[1, 1, 1, 2]), ValueError, "sums to 5"),
-    (dict(query_len_per_req=[4, 0, 0, 0]), ValueError, "query_len_per_req entry"),
-    (dict(ep_world=2), ValueError, "dense model"),
-    (dict(tp_world=4), ValueError, "num_heads"),
-    (dict(hbm_gbps=0.0), ValueError, "hbm_gbps"),
-    (dict(peak_tflops=math.nan), ValueError, "peak_tflops"),
-    (dict(config="tiny"), TypeError, "ModelConfig"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(num_tokens=0), ValueError, "num_tokens"),
+        (dict(num_tokens=True), ValueError, "num_tokens"),
+        (dict(num_reqs=5), ValueError, r"num_reqs \(5\) > num_tokens \(4\)"),
+        (dict(context_len_per_req=-1), ValueError, "context_len_per_req"),
+        (dict(context_len_per_req=[1, 2]), ValueError, "2 entries for 4 requests"),
+        (dict(context_len_per_req=[1, 2, 3, 1.5]), ValueError, "context_len_per_req entry"),
+        (dict(context_len_per_req="1234"), TypeError, "sequence of ints"),
+        (dict(query_len_per_req=[1, 1, 1, 2]), ValueError, "sums to 5"),
+        (dict(query_len_per_req=[4, 0, 0, 0]), ValueError, "query_len_per_req entry"),
+        (dict(ep_world=2), ValueError, "dense model"),
+        (dict(tp_world=4), ValueError, "num_heads"),
+        (dict(hbm_gbps=0.0), ValueError, "hbm_gbps"),
+        (dict(peak_tflops=math.nan), ValueError, "peak_tflops"),
+        (dict(config="tiny"), TypeError, "ModelConfig"),
+    ],
+)
 def test_bad_inputs(kwargs, error, match):
     args = {**dict(config=DENSE, num_tokens=4, num_reqs=4, context_len_per_req=3), **kwargs}
     config = args.pop("config")

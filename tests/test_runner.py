@@ -27,7 +27,7 @@ def naive_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         hidden = forward_sequences(model, [tokens], block_size=4)
         with torch.inference_mode():
             tokens.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def record_schedules(runner: ModelRunner) -> list[list[tuple[bool, int, int]]]:
@@ -56,8 +56,9 @@ def model_and_reference(request):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_greedy_matches_naive_recompute(model_and_reference, block_size):
     config, model, prompts, reference = model_and_reference
-    runner = ModelRunner(model, config, device="cpu", num_kv_blocks=64, block_size=block_size,
-                         max_num_batched_tokens=16, max_num_seqs=8)
+    runner = ModelRunner(
+        model, config, device="cpu", num_kv_blocks=64, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=8
+    )
     steps = record_schedules(runner)
     assert runner.generate(prompts, 6) == reference
     # The small budget forced chunked-prefill continuations and steps mixing decode and prefill.
@@ -69,8 +70,7 @@ def test_greedy_matches_naive_recompute(model_and_reference, block_size):
 def test_preemption_by_recompute_keeps_outputs(model_and_reference, caplog):
     config, model, prompts, reference = model_and_reference
     # 12 blocks of 4 hold the longest request (40 + 6 tokens) alone, not all of them together.
-    runner = ModelRunner(model, config, device="cpu", num_kv_blocks=12, block_size=4,
-                         max_num_batched_tokens=16)
+    runner = ModelRunner(model, config, device="cpu", num_kv_blocks=12, block_size=4, max_num_batched_tokens=16)
     with caplog.at_level(logging.INFO, logger="ubatch.runner"):
         assert runner.generate(prompts, 6) == reference
     assert "preempting request" in caplog.text
@@ -167,7 +167,6 @@ def test_bad_runner_arguments(tiny_runner):
         tiny_runner.capture_graphs()
 
 
-
 @pytest.mark.parametrize(
     ("prompt", "max_new_tokens", "match"),
     [
@@ -212,10 +211,14 @@ def test_a_float_limit_per_request_is_refused_not_truncated(tiny_runner):
 
 def test_max_model_len_bounds_every_request_without_graphs():
     config = ModelConfig.preset("tiny")
-    runner = ModelRunner(build_model(config, device="cpu"), config, device="cpu", num_kv_blocks=8, block_size=4,
-                         max_model_len=10)
-    with pytest.raises(ValueError, match=r"request too long for max_model_len=10: prompt of 8 tokens \+ "
-                                         r"max_new_tokens=3"):
+    runner = ModelRunner(
+        build_model(config, device="cpu"), config, device="cpu", num_kv_blocks=8, block_size=4, max_model_len=10
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"request too long for max_model_len=10: prompt of 8 tokens \+ "
+        r"max_new_tokens=3",
+    ):
         runner.add_request([1] * 8, 3)
     assert len(runner.generate([[1] * 8], 2)[0]) == 2
     with pytest.raises(ValueError, match=r"max_model_len must be an integer >= 1, got 0"):
@@ -225,13 +228,20 @@ def test_max_model_len_bounds_every_request_without_graphs():
 def test_a_model_whose_vocabulary_differs_from_its_config_is_refused():
     config = ModelConfig.preset("tiny")
     model = build_model(config, device="cpu")
-    with pytest.raises(ValueError, match=r"vocabulary does not match its config: config.vocab_size=256, "
-                                         r"model.config.vocab_size=128, the model's embed rows=128"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocabulary does not match its config: config.vocab_size=256, "
+        r"model.config.vocab_size=128, the model's embed rows=128",
+    ):
         ModelRunner(model, config.replace(vocab_size=256), device="cpu", num_kv_blocks=8)
     model.config = config.replace(vocab_size=256)  # a config that no longer describes the weights
-    with pytest.raises(ValueError, match=r"model.config.vocab_size=256, the model's embed rows=128, "
-                                         r"the model's lm_head rows=128"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.config.vocab_size=256, the model's embed rows=128, "
+        r"the model's lm_head rows=128",
+    ):
         ModelRunner(model, model.config, device="cpu", num_kv_blocks=8)
+
 
 # ----- CUDA (run on the GPU machine) ----------------------------------------------------------
 
@@ -241,7 +251,7 @@ def near_greedy_violations(model, prompt: list[int], output: list[int], tol: flo
     (bf16 kernels differ between batch shapes, so exact argmax ties may flip)."""
     hidden = forward_sequences(model, [prompt + output[:-1]])
     with torch.inference_mode():
-        logits = model.compute_logits(hidden[len(prompt) - 1:])
+        logits = model.compute_logits(hidden[len(prompt) - 1 :])
     chosen = logits.gather(1, torch.tensor(output, device=logits.device)[:, None]).squeeze(1)
     return torch.nonzero(chosen < logits.max(dim=1).values - tol).flatten().tolist()
 
@@ -252,8 +262,7 @@ def test_cuda_bf16_greedy_matches_naive_recompute(preset):
     config = ModelConfig.preset(preset, dtype=torch.bfloat16)
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
-    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16,
-                         max_num_batched_tokens=64)
+    runner = ModelRunner(model, config, device="cuda", num_kv_blocks=256, block_size=16, max_num_batched_tokens=64)
     outputs = runner.generate(prompts, 12)
     naive = [naive_greedy(model, p, 12) for p in prompts]
     for prompt, output, ref in zip(prompts, outputs, naive):

@@ -1,13 +1,12 @@
 """The greenlet scheduler: round-robin order, isolation, failures that never hang, no leaks."""
 
+import contextvars
 import gc
 import logging
 import os
 import random
 import signal
-import sys
 import threading
-import contextvars
 import weakref
 
 import greenlet
@@ -214,6 +213,7 @@ def test_a_live_scheduler_keeps_no_task_or_context_of_a_finished_run():
     """A worker's first task came in as its start argument, which the greenlet kept for its
     whole life: the first step's closure (and so a model and its process groups) and its
     forward context stayed pinned while the scheduler lived."""
+
     class Payload:
         pass
 
@@ -239,6 +239,7 @@ def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_g
     """Parked workers hold no reference to their last task's result, and nothing ties the
     scheduler, its states and its workers in a cycle: dropping it frees everything at once
     (a cycle left them to the garbage collector, which ran them down at interpreter exit)."""
+
     class Payload:
         pass
 
@@ -266,6 +267,7 @@ def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_g
 
 def _own(tag):
     """Tasks that yield twice and return (tag, their ubatch id): a stale result shows."""
+
     def task():
         yield_ubatch()
         yield_ubatch()
@@ -302,8 +304,7 @@ def test_an_aborted_ubatch_whose_finally_yields_is_finished_before_the_next_call
 
 
 @pytest.mark.parametrize("yields_after_catching", [1, 3, 10_000])
-def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(
-        yields_after_catching, caplog):
+def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(yields_after_catching, caplog):
     sched = UBatchScheduler(2, "cpu")
 
     def stubborn():

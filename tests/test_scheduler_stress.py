@@ -26,6 +26,7 @@ def _drive(sched, name, grad, steps, report):
     try:
         with torch.set_grad_enabled(grad):
             for step in range(steps):
+
                 def task():
                     modes = [torch.is_grad_enabled()]
                     for _ in range(2):
@@ -47,8 +48,7 @@ def _run_two_threads(steps):
     """Two threads, one under torch.no_grad and one with grad, drive one scheduler."""
     sched = UBatchScheduler(2, "cpu")
     report = {"no_grad": [], "grad": []}
-    threads = [threading.Thread(target=_drive, args=(sched, name, name == "grad", steps, report))
-               for name in report]
+    threads = [threading.Thread(target=_drive, args=(sched, name, name == "grad", steps, report)) for name in report]
     for t in threads:
         t.start()
     for t in threads:

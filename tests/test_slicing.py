@@ -120,17 +120,20 @@ def test_split_attn_metadata_continuation_sees_whole_context():
     assert (first.max_query_len, first.max_seq_len, second.max_query_len) == (3, 5, 4)
 
 
-@pytest.mark.parametrize("counts, message", [
-    ([2.7, 3.9], r"num_scheduled_tokens\[0\] must be an int, got 2.7 \(float\)"),
-    ([4, 4.0], r"num_scheduled_tokens\[1\] must be an int, got 4.0 \(float\)"),
-    ([True, 3], r"num_scheduled_tokens\[0\] must be an int, got True"),
-    (torch.tensor([2.0, 3.0]), r"num_scheduled_tokens\[0\] must be an int, got 2.0"),
-    (torch.tensor([True, True]), r"num_scheduled_tokens\[0\] must be an int, got True"),
-    (None, "num_scheduled_tokens must be a sequence of ints \\(tokens per request\\), got NoneType"),
-    (8, "num_scheduled_tokens must be a sequence of ints .*, got int"),
-    ("44", "num_scheduled_tokens must be a sequence of ints .*, got str"),
-    (torch.tensor(8), "num_scheduled_tokens must be a sequence of ints .*, got Tensor"),
-])
+@pytest.mark.parametrize(
+    "counts, message",
+    [
+        ([2.7, 3.9], r"num_scheduled_tokens\[0\] must be an int, got 2.7 \(float\)"),
+        ([4, 4.0], r"num_scheduled_tokens\[1\] must be an int, got 4.0 \(float\)"),
+        ([True, 3], r"num_scheduled_tokens\[0\] must be an int, got True"),
+        (torch.tensor([2.0, 3.0]), r"num_scheduled_tokens\[0\] must be an int, got 2.0"),
+        (torch.tensor([True, True]), r"num_scheduled_tokens\[0\] must be an int, got True"),
+        (None, "num_scheduled_tokens must be a sequence of ints \\(tokens per request\\), got NoneType"),
+        (8, "num_scheduled_tokens must be a sequence of ints .*, got int"),
+        ("44", "num_scheduled_tokens must be a sequence of ints .*, got str"),
+        (torch.tensor(8), "num_scheduled_tokens must be a sequence of ints .*, got Tensor"),
+    ],
+)
 def test_token_counts_must_be_ints(counts, message):
     with pytest.raises(TypeError, match=message):
         split_batch(counts, 2)
@@ -154,13 +157,16 @@ def test_integer_scalars_of_numpy_and_torch_are_accepted():
     assert split_batch([np.int32(3), torch.tensor(5), 2], 2, 12) == expected
 
 
-@pytest.mark.parametrize("request_slice, token_slice, error, message", [
-    (slice(0, 4, 2), slice(0, 4), ValueError, r"request_slice=slice\(0, 4, 2\) has step 2"),
-    (slice(0, 2), slice(0, 8, 2), ValueError, r"token_slice=slice\(0, 8, 2\) has step 2"),
-    (slice(0, 2), slice(None, 4), ValueError, r"token_slice must be slice\(start, stop\) with ints"),
-    (slice(0, 2), slice(4, 2), ValueError, r"0 <= start <= stop, got slice\(4, 2, None\)"),
-    ((0, 2), slice(0, 2), TypeError, "UBatchSlice.request_slice must be a slice, got tuple"),
-])
+@pytest.mark.parametrize(
+    "request_slice, token_slice, error, message",
+    [
+        (slice(0, 4, 2), slice(0, 4), ValueError, r"request_slice=slice\(0, 4, 2\) has step 2"),
+        (slice(0, 2), slice(0, 8, 2), ValueError, r"token_slice=slice\(0, 8, 2\) has step 2"),
+        (slice(0, 2), slice(None, 4), ValueError, r"token_slice must be slice\(start, stop\) with ints"),
+        (slice(0, 2), slice(4, 2), ValueError, r"0 <= start <= stop, got slice\(4, 2, None\)"),
+        ((0, 2), slice(0, 2), TypeError, "UBatchSlice.request_slice must be a slice, got tuple"),
+    ],
+)
 def test_a_ubatch_slice_is_plain_and_contiguous(request_slice, token_slice, error, message):
     with pytest.raises(error, match=message):
         UBatchSlice(request_slice, token_slice)
@@ -182,14 +188,18 @@ def test_even_slices_split_rows_as_evenly_as_possible():
 
 
 def _two_request_metadata():
-    return build_attention_metadata([3, 5], [5, 5], torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                                    torch.arange(8, dtype=torch.int64))
+    return build_attention_metadata(
+        [3, 5], [5, 5], torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.arange(8, dtype=torch.int64)
+    )
 
 
 def test_a_request_slice_beyond_the_metadata_is_named():
     slices = [UBatchSlice(slice(0, 1), slice(0, 3)), UBatchSlice(slice(1, 4), slice(3, 8))]
-    with pytest.raises(ValueError, match=r"ubatch slice 1 has request_slice=slice\(1, 4, None\), beyond the "
-                                         r"metadata's 2 requests"):
+    with pytest.raises(
+        ValueError,
+        match=r"ubatch slice 1 has request_slice=slice\(1, 4, None\), beyond the "
+        r"metadata's 2 requests",
+    ):
         split_attn_metadata(_two_request_metadata(), slices)
 
 
@@ -232,9 +242,12 @@ def test_metadata_with_a_split_method_or_a_registered_splitter_is_split():
 @pytest.mark.parametrize("metadata", ["a string", torch.zeros(4), object(), 3])
 def test_metadata_nobody_can_split_says_how_to_make_it_splittable(metadata):
     kind = type(metadata).__name__
-    with pytest.raises(TypeError, match=f"layer0 is a {kind}, which UBatchWrapper cannot split: give {kind} a "
-                                        f"split\\(slices\\) -> list method, register a splitter with "
-                                        f"ubatch.slicing.register_metadata_splitter"):
+    with pytest.raises(
+        TypeError,
+        match=f"layer0 is a {kind}, which UBatchWrapper cannot split: give {kind} a "
+        f"split\\(slices\\) -> list method, register a splitter with "
+        f"ubatch.slicing.register_metadata_splitter",
+    ):
         split_metadata(metadata, split_batch([2, 2], 2), name="layer0")
 
 

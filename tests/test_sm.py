@@ -138,12 +138,19 @@ def _fake_driver(total=132, min_partition=8, alignment=8, fail=None):
     calls = []
 
     def resource(n):
-        return SimpleNamespace(sm=SimpleNamespace(smCount=n, minSmPartitionSize=min_partition, smCoscheduledAlignment=alignment))
+        return SimpleNamespace(
+            sm=SimpleNamespace(smCount=n, minSmPartitionSize=min_partition, smCoscheduledAlignment=alignment)
+        )
 
     def call(name, *outputs):
         def fn(*args):
             calls.append((name, args))
-            return (_CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION,) if name == fail else (_CUresult.CUDA_SUCCESS, *outputs)
+            return (
+                (_CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION,)
+                if name == fail
+                else (_CUresult.CUDA_SUCCESS, *outputs)
+            )
+
         return fn
 
     def split(nb, res, flags, count):
@@ -184,7 +191,9 @@ def test_green_split_rounds_comm_sms_up_to_the_driver_granularity():
 
 def test_green_cuda_error_names_the_call_and_the_code():
     driver = _fake_driver(fail="cuGreenCtxCreate")
-    with pytest.raises(GreenContextError, match="cuGreenCtxCreate failed with CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"):
+    with pytest.raises(
+        GreenContextError, match="cuGreenCtxCreate failed with CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"
+    ):
         sm._GreenContexts(driver, 0, 16)
 
 
@@ -204,7 +213,9 @@ def fake_hopper(monkeypatch):
     def use(driver=None, capability=(9, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         if driver is None:
-            monkeypatch.setattr(sm, "_load_driver", lambda: (_ for _ in ()).throw(ImportError("No module named 'cuda'")))
+            monkeypatch.setattr(
+                sm, "_load_driver", lambda: (_ for _ in ()).throw(ImportError("No module named 'cuda'"))
+            )
         else:
             monkeypatch.setattr(sm, "_load_driver", lambda: driver)
         return driver
@@ -240,7 +251,11 @@ def test_no_carveout_without_a_partition():
 @pytest.mark.parametrize(
     "driver_kwargs, capability, reason",
     [
-        (dict(fail="cuGreenCtxCreate"), (9, 0), "cuGreenCtxCreate failed with CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"),
+        (
+            dict(fail="cuGreenCtxCreate"),
+            (9, 0),
+            "cuGreenCtxCreate failed with CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION",
+        ),
         (dict(fail="cuDevSmResourceSplitByCount"), (9, 0), "cuDevSmResourceSplitByCount failed"),
         (dict(), (8, 0), "compute capability 8.0 < 9.0"),
         (None, (9, 0), "cuda.bindings is not installed"),

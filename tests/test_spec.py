@@ -111,7 +111,7 @@ def test_ubatched_verification_splits_on_request_boundaries(target):
     assert runner.generate(prompts, MAX_NEW_TOKENS) == reference
     decode_splits = [(lens, s) for lens, s in splits if len(set(lens)) == 1 and lens[0] == 4 and len(lens) >= 2]
     assert decode_splits, "no pure-decode verification step was ubatched"
-    for lens, slices in decode_splits:
+    for _lens, slices in decode_splits:
         assert len(slices) == 2
         for s in slices:  # every ubatch uniform: k + 1 tokens per request
             assert s.num_tokens == 4 * s.num_reqs
@@ -162,8 +162,12 @@ def test_drafts_of_a_batch_with_unequal_draft_counts_equal_each_request_drafted_
     their own last draft (kept on the device between steps)."""
     config = ModelConfig.preset("tiny")
     model = build_model(config, device="cpu")
-    requests = [DraftRequest(0, [1, 2, 3, 4, 5], [0, 1, 2], 1), DraftRequest(1, [7, 8], [3, 4], 4),
-                DraftRequest(2, [9, 3, 6], [5, 6], 2), DraftRequest(3, [4], [7, 8], 3)]
+    requests = [
+        DraftRequest(0, [1, 2, 3, 4, 5], [0, 1, 2], 1),
+        DraftRequest(1, [7, 8], [3, 4], 4),
+        DraftRequest(2, [9, 3, 6], [5, 6], 2),
+        DraftRequest(3, [4], [7, 8], 3),
+    ]
     together = DraftModel(model, num_kv_blocks=9, block_size=4).propose(requests)
     alone = [DraftModel(model, num_kv_blocks=9, block_size=4).propose([r])[0] for r in requests]
     assert [len(d) for d in together] == [1, 4, 2, 3]
@@ -192,13 +196,16 @@ def test_accept_greedy():
         accept_greedy([1, 2], [1, 2])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1, got 0"),
-    (dict(num_speculative_tokens=-2), "got -2"),
-    (dict(num_speculative_tokens=True), "got True"),
-    (dict(num_speculative_tokens=2.0), "got 2.0"),
-    (dict(num_speculative_tokens=None), "needs both draft_model and num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1, got 0"),
+        (dict(num_speculative_tokens=-2), "got -2"),
+        (dict(num_speculative_tokens=True), "got True"),
+        (dict(num_speculative_tokens=2.0), "got 2.0"),
+        (dict(num_speculative_tokens=None), "needs both draft_model and num_speculative_tokens"),
+    ],
+)
 def test_bad_speculative_arguments(kwargs, match):
     config = ModelConfig.preset("tiny")
     model = build_model(config, device="cpu")
@@ -241,8 +248,15 @@ def _drafter_with_fake_graphs(spy, **kwargs):
     from tests.test_cudagraph import FakeBackend
 
     draft = build_model(ModelConfig.preset("tiny"), device="cpu", attn_backend=spy)
-    return DraftModel(draft, num_kv_blocks=8, block_size=4, capture_sizes=[4, 8], max_blocks_per_req=4,
-                      graph_backend=FakeBackend(), **kwargs)
+    return DraftModel(
+        draft,
+        num_kv_blocks=8,
+        block_size=4,
+        capture_sizes=[4, 8],
+        max_blocks_per_req=4,
+        graph_backend=FakeBackend(),
+        **kwargs,
+    )
 
 
 def test_drafter_piecewise_capture_skips_attention_and_full_capture_runs_it():
@@ -268,8 +282,9 @@ def test_drafter_piecewise_capture_skips_attention_and_full_capture_runs_it():
     for size in (4, 8):  # warm-up (NONE), then the capture pass, of every descriptor
         assert calls[PIECEWISE, size, NONE] == calls[PIECEWISE, size, PIECEWISE] == 0
         assert calls[FULL, size, NONE] == calls[FULL, size, FULL] == layers
-    assert all(layer.kv_cache is None for layer in drafter.model.attention_layers.values()), \
+    assert all(layer.kv_cache is None for layer in drafter.model.attention_layers.values()), (
         "the draft cache is bound only around the drafter's own work"
+    )
 
 
 def test_drafter_replays_its_graphs_and_never_when_skipping_attention():
@@ -286,8 +301,9 @@ def test_drafter_replays_its_graphs_and_never_when_skipping_attention():
     drafter.rollback(0, 0)
     drafter.rollback(1, 0)
     drafter.propose(requests)
-    assert [(d.cg_mode, d.num_tokens) for d in replayed] == [(PIECEWISE, 8), (FULL, 4), (FULL, 4)], \
+    assert [(d.cg_mode, d.num_tokens) for d in replayed] == [(PIECEWISE, 8), (FULL, 4), (FULL, 4)], (
         "catch-up (7 tokens) replays PIECEWISE, each one-token draft step FULL"
+    )
     drafter.release_graphs()
     assert drafter.graphs.plan(2, 2, 1) is None
 
@@ -324,19 +340,20 @@ def test_padded_catch_ups_draft_what_unpadded_ones_draft():
     first = [drafter.propose(prompts) for drafter in (padded, plain)]
     assert first[0] == first[1]
     # The target accepts request 0's first draft and none of request 1's, each plus a token of its own.
-    after = [DraftRequest(0, [1, 2, 3, 4, 5, first[0][0][0], 99], [0, 1], 2),
-             DraftRequest(1, [7, 8, 9, 77], [3, 4], 2)]
+    after = [DraftRequest(0, [1, 2, 3, 4, 5, first[0][0][0], 99], [0, 1], 2), DraftRequest(1, [7, 8, 9, 77], [3, 4], 2)]
     for drafter in (padded, plain):
         drafter.rollback(0, 6)
         drafter.rollback(1, 3)
-    assert padded.propose(after) == plain.propose(after), \
+    assert padded.propose(after) == plain.propose(after), (
         "recomputing KV the drafter holds (same tokens, same slots) changes no draft"
+    )
 
 
 def test_catch_up_width_below_two_is_refused():
     with pytest.raises(ValueError, match=r"catch_up_width must be an integer >= 2 \(k \+ 1\), got 1"):
-        DraftModel(build_model(ModelConfig.preset("tiny"), device="cpu"), num_kv_blocks=4, block_size=4,
-                   catch_up_width=1)
+        DraftModel(
+            build_model(ModelConfig.preset("tiny"), device="cpu"), num_kv_blocks=4, block_size=4, catch_up_width=1
+        )
 
 
 def test_speculative_graphs_need_cuda_and_dp_needs_a_local_drafter(monkeypatch):
@@ -368,13 +385,22 @@ def dp_spec_body(rank: int, world_size: int, num_ubatches: int) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [[torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in lens] for lens in loads]
     reference = ModelRunner(build_model(config, device="cpu"), config, **RUNNER_ARGS).generate(
-        sum(prompts, []), MAX_NEW_TOKENS)
+        sum(prompts, []), MAX_NEW_TOKENS
+    )
     target = build_model(config, device="cpu", ep_group=dist.group.WORLD)
     draft = build_model(config.replace(num_layers=1), device="cpu")
-    runner = ModelRunner(target, config, **RUNNER_ARGS, num_ubatches=num_ubatches, dp_group=dist.group.WORLD,
-                         timeout_s=60, draft_model=draft, num_speculative_tokens=3)
+    runner = ModelRunner(
+        target,
+        config,
+        **RUNNER_ARGS,
+        num_ubatches=num_ubatches,
+        dp_group=dist.group.WORLD,
+        timeout_s=60,
+        draft_model=draft,
+        num_speculative_tokens=3,
+    )
     first = sum(len(p) for p in prompts[:rank])
-    assert runner.generate(prompts[rank], MAX_NEW_TOKENS) == reference[first:first + len(prompts[rank])]
+    assert runner.generate(prompts[rank], MAX_NEW_TOKENS) == reference[first : first + len(prompts[rank])]
     assert 0.0 < runner.spec_stats.acceptance_rate < 1.0
 
 

@@ -34,13 +34,19 @@ def reference(gate_up, num_valid=None, row_scale=None):
     if row_scale is not None:
         out = out * row_scale.double()[:, None]
     if num_valid is not None:
-        out[max(0, num_valid):] = 0
+        out[max(0, num_valid) :] = 0
     return out
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(0, 33), inter=st.integers(1, 70), dtype=st.sampled_from(DTYPES),
-       num_valid=st.one_of(st.none(), st.integers(-3, 36)), scaled=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    rows=st.integers(0, 33),
+    inter=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    num_valid=st.one_of(st.none(), st.integers(-3, 36)),
+    scaled=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_fallback_matches_reference(rows, inter, dtype, num_valid, scaled, seed):
     gen = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(dtype)
@@ -89,20 +95,23 @@ def test_strided_input():
     torch.testing.assert_close(swiglu(gate_up).double(), reference(gate_up))
 
 
-@pytest.mark.parametrize("gate_up,count,scale,error,match", [
-    (torch.randn(4, 7), None, None, ValueError, "even"),
-    (torch.randn(8), None, None, ValueError, "2-D"),
-    (torch.randn(2, 4, 8), None, None, ValueError, "2-D"),
-    (torch.ones(4, 8, dtype=torch.int32), None, None, TypeError, "floating-point"),
-    ([[1.0, 2.0]], None, None, TypeError, "torch.Tensor"),
-    (torch.randn(4, 8), 3, None, TypeError, "tensor on the device"),
-    (torch.randn(4, 8), torch.tensor(3.0), None, TypeError, "integer tensor"),
-    (torch.randn(4, 8), torch.tensor(True), None, TypeError, "integer tensor"),
-    (torch.randn(4, 8), torch.tensor([1, 2]), None, ValueError, "one element"),
-    (torch.randn(4, 8), None, torch.ones(3), ValueError, r"shape \(4,\)"),
-    (torch.randn(4, 8), None, torch.ones(4, dtype=torch.int64), TypeError, "floating-point"),
-    (torch.randn(4, 8), None, [1.0] * 4, TypeError, "torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "gate_up,count,scale,error,match",
+    [
+        (torch.randn(4, 7), None, None, ValueError, "even"),
+        (torch.randn(8), None, None, ValueError, "2-D"),
+        (torch.randn(2, 4, 8), None, None, ValueError, "2-D"),
+        (torch.ones(4, 8, dtype=torch.int32), None, None, TypeError, "floating-point"),
+        ([[1.0, 2.0]], None, None, TypeError, "torch.Tensor"),
+        (torch.randn(4, 8), 3, None, TypeError, "tensor on the device"),
+        (torch.randn(4, 8), torch.tensor(3.0), None, TypeError, "integer tensor"),
+        (torch.randn(4, 8), torch.tensor(True), None, TypeError, "integer tensor"),
+        (torch.randn(4, 8), torch.tensor([1, 2]), None, ValueError, "one element"),
+        (torch.randn(4, 8), None, torch.ones(3), ValueError, r"shape \(4,\)"),
+        (torch.randn(4, 8), None, torch.ones(4, dtype=torch.int64), TypeError, "floating-point"),
+        (torch.randn(4, 8), None, [1.0] * 4, TypeError, "torch.Tensor"),
+    ],
+)
 def test_bad_inputs(gate_up, count, scale, error, match):
     with pytest.raises(error, match=match):
         swiglu(gate_up, count, row_scale=scale)
@@ -132,8 +141,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                             assert torch.equal(got[valid:], want[valid:])
 print("interpreted kernel ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreted kernel ok" in result.stdout

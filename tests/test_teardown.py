@@ -53,8 +53,12 @@ print(len(destroy_process_groups()))
 
 
 def _survivors_after_profiling(tmp_path, order: str) -> int:
-    result = subprocess.run([sys.executable, "-c", _PROFILE_AFTER_INIT, str(tmp_path / "store"), order],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROFILE_AFTER_INIT, str(tmp_path / "store"), order],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return int(result.stdout.split()[-1])
 

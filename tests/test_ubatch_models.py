@@ -40,9 +40,14 @@ def _shape(kind: str, rng: random.Random) -> tuple[list[int], list[int]]:
 
 
 def _forward(runnable, model, step, slices=None):
-    with torch.inference_mode(), set_forward_context(
-        step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
-        num_tokens=step.num_tokens,
+    with (
+        torch.inference_mode(),
+        set_forward_context(
+            step.attn_metadata,
+            no_compile_layers=model.attention_layers,
+            ubatch_slices=slices,
+            num_tokens=step.num_tokens,
+        ),
     ):
         return runnable(step.input_ids, step.positions)
 
@@ -50,8 +55,14 @@ def _forward(runnable, model, step, slices=None):
 def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int, pad: int = 0, tol=TOL) -> None:
     rng = random.Random(seed)
     query_lens, context_lens = _shape(kind, rng)
-    step, cache = make_step(model, query_lens, context_lens, block_size=rng.choice([4, 16]),
-                            num_tokens_padded=sum(query_lens) + pad, seed=seed)
+    step, cache = make_step(
+        model,
+        query_lens,
+        context_lens,
+        block_size=rng.choice([4, 16]),
+        num_tokens_padded=sum(query_lens) + pad,
+        seed=seed,
+    )
     before = {name: cache[name].clone() for name in model.layer_names}
     expected = _forward(model, model, step)
     expected_cache = {name: cache[name].clone() for name in model.layer_names}
@@ -83,15 +94,21 @@ def moe_model():
 
 
 @settings(max_examples=30, deadline=None)
-@given(requests=st.lists(_REQUEST, min_size=1, max_size=8), num_ubatches=st.integers(1, 4),
-       pad=st.integers(0, 3), block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+@given(
+    requests=st.lists(_REQUEST, min_size=1, max_size=8),
+    num_ubatches=st.integers(1, 4),
+    pad=st.integers(0, 3),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
 def test_ubatched_moe_equals_unsplit_on_any_batch(moe_model, requests, num_ubatches, pad, block_size, seed):
     """Any mix of prompts, continuations and decodes, with padding, in 1-4 ubatches; a split that
     would leave a ubatch without a real token is refused, and that is the only refusal."""
     model = moe_model
     query_lens, context_lens = map(list, zip(*requests))
-    step, cache = make_step(model, query_lens, context_lens, block_size=block_size,
-                            num_tokens_padded=sum(query_lens) + pad, seed=seed)
+    step, cache = make_step(
+        model, query_lens, context_lens, block_size=block_size, num_tokens_padded=sum(query_lens) + pad, seed=seed
+    )
     try:
         slices = step.slices(num_ubatches)
     except ValueError as exc:
@@ -106,10 +123,13 @@ def test_ubatched_moe_equals_unsplit_on_any_batch(moe_model, requests, num_ubatc
 
 
 @settings(max_examples=30, deadline=None)
-@given(requests=st.lists(_REQUEST, min_size=1, max_size=8), num_ubatches=st.integers(1, 4),
-       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
-def test_ubatched_moe_on_the_varlen_flash_path_equals_unsplit_sdpa(moe_model, requests, num_ubatches, block_size,
-                                                                   seed):
+@given(
+    requests=st.lists(_REQUEST, min_size=1, max_size=8),
+    num_ubatches=st.integers(1, 4),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_ubatched_moe_on_the_varlen_flash_path_equals_unsplit_sdpa(moe_model, requests, num_ubatches, block_size, seed):
     """The torch backend's varlen flash path (a CPU stand-in for the kernel) over the ubatches'
     own metadata, straddling requests included, against the unsplit model on the SDPA runs."""
     model = moe_model

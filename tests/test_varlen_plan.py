@@ -31,17 +31,19 @@ def _table(seq_lens: list[int], seed: int) -> torch.Tensor:
     ids = (torch.randperm(NUM_BLOCKS - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
     rows, at = [], 0
     for n in per_request:
-        rows.append(ids[at:at + n] + [0] * (WIDTH - n))
+        rows.append(ids[at : at + n] + [0] * (WIDTH - n))
         at += n
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def _batch(query_lens: list[int], seq_lens: list[int], *, num_layers: int = 1,
-           seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+def _batch(
+    query_lens: list[int], seq_lens: list[int], *, num_layers: int = 1, seed: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
     """Queries ``[T, 8, 16]``, one random cache per layer (2 KV heads) and the step's metadata."""
     gen = torch.Generator().manual_seed(seed)
-    md = build_attention_metadata(query_lens, seq_lens, _table(seq_lens, seed),
-                                  torch.full((sum(query_lens),), -1, dtype=torch.int64))
+    md = build_attention_metadata(
+        query_lens, seq_lens, _table(seq_lens, seed), torch.full((sum(query_lens),), -1, dtype=torch.int64)
+    )
     q = torch.randn(sum(query_lens), 8, 16, generator=gen)
     caches = [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16, generator=gen) for _ in range(num_layers)]
     return q, caches, md
@@ -71,8 +73,9 @@ def test_the_plan_is_built_once_per_step_and_again_the_next(plans):
     for step in (1, 2):
         with set_forward_context({LAYER: md}):
             for kv_cache in caches:  # each layer still gathers its own cache's K/V
-                torch.testing.assert_close(varlen.varlen_flash_attention(q, kv_cache, md, SCALE),
-                                           _reference(q, kv_cache, md))
+                torch.testing.assert_close(
+                    varlen.varlen_flash_attention(q, kv_cache, md, SCALE), _reference(q, kv_cache, md)
+                )
         assert len(plans) == step
     varlen.varlen_flash_attention(q, caches[0], md, SCALE)
     varlen.varlen_flash_attention(q, caches[0], md, SCALE)
@@ -111,8 +114,9 @@ def test_each_ubatch_builds_its_own_plan(plans):
         for child, s in zip(children, slices):
             child_md = child.attn_metadata[LAYER]
             with override_forward_context(child):
-                outs.append([varlen.varlen_flash_attention(q[s.token_slice], kv_cache, child_md, SCALE)
-                             for kv_cache in caches])
+                outs.append(
+                    [varlen.varlen_flash_attention(q[s.token_slice], kv_cache, child_md, SCALE) for kv_cache in caches]
+                )
         assert parent.step_memo == {}
     assert plans == [c.attn_metadata[LAYER] for c in children]
     for layer, kv_cache in enumerate(caches):
@@ -145,8 +149,7 @@ def test_metadata_refilled_in_place_between_steps_gets_a_fresh_plan(plans):
     query_lens, seq_lens = [1, 4, 2, 1, 1], [10, 4, 9, 13, 9]  # other query lengths too, same total
     _refill(md, query_lens, seq_lens, _table(seq_lens, seed=2))
     with set_forward_context({LAYER: md}):
-        torch.testing.assert_close(varlen.varlen_flash_attention(q, kv_cache, md, SCALE),
-                                   _reference(q, kv_cache, md))
+        torch.testing.assert_close(varlen.varlen_flash_attention(q, kv_cache, md, SCALE), _reference(q, kv_cache, md))
     assert len(plans) == 3
 
 

@@ -72,8 +72,16 @@ def test_children_inherit_every_parent_field(skip_attention, n):
 
 def test_every_field_is_inherited_including_future_ones():
     """Derive, don't rebuild: all fields not per-ubatch equal the parent's."""
-    per_ubatch = {"attn_metadata", "slot_mapping", "ubatch_slices", "ubatch_id", "num_tokens",
-                  "batch_descriptor", "dp_metadata", "is_padding"}
+    per_ubatch = {
+        "attn_metadata",
+        "slot_mapping",
+        "ubatch_slices",
+        "ubatch_id",
+        "num_tokens",
+        "batch_descriptor",
+        "dp_metadata",
+        "is_padding",
+    }
     parent = MyContext(ubatch_slices=split_batch([4, 4], 2), skip_attention=True, model_specific="x")
     for child in make_ubatch_contexts(parent, parent.ubatch_slices):
         for f in dataclasses.fields(parent):
@@ -141,7 +149,9 @@ def test_errors_name_the_problem():
 def test_more_bad_inputs_name_the_problem():
     wrapper = UBatchWrapper(lambda x: x, num_ubatches=2, device="cpu")
     with set_forward_context(42, ubatch_slices=split_batch([4, 4], 2)):
-        with pytest.raises(TypeError, match="attn_metadata must be a dict, a per-ubatch list of dicts, or None; got int"):
+        with pytest.raises(
+            TypeError, match="attn_metadata must be a dict, a per-ubatch list of dicts, or None; got int"
+        ):
             wrapper(torch.zeros(8))
     from ubatch.scheduler import UBatchScheduler
 
@@ -159,10 +169,13 @@ def test_more_bad_inputs_name_the_problem():
         assert ctx.dp_metadata.num_tokens_across_dp == (3, 5) and ctx.dp_metadata.max_tokens_across_dp == 5
 
 
-@pytest.mark.parametrize("outputs, message", [
-    ([None, 1], "cannot merge output: some ubatches returned None, others a value"),
-    ([1, 2], "cannot merge output: the ubatches returned int objects that differ"),
-])
+@pytest.mark.parametrize(
+    "outputs, message",
+    [
+        ([None, 1], "cannot merge output: some ubatches returned None, others a value"),
+        ([1, 2], "cannot merge output: the ubatches returned int objects that differ"),
+    ],
+)
 def test_ubatch_outputs_that_cannot_merge_are_an_error(outputs, message):
     returned = iter(outputs)
     wrapper = UBatchWrapper(lambda x: next(returned), num_ubatches=2, device="cpu")
@@ -184,7 +197,7 @@ def test_unwrap_and_attribute_fall_through():
     assert wrapper.unwrap() is module
     assert wrapper.out_features == 3 and wrapper.weight is module.weight
     with pytest.raises(AttributeError):
-        wrapper.no_such_attribute
+        _ = wrapper.no_such_attribute
 
 
 class LayerError(RuntimeError):
@@ -234,8 +247,13 @@ def test_grad_and_inference_mode_hold_inside_every_ubatch():
 def test_hugging_face_model_split_along_batch():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -263,9 +281,20 @@ def test_an_sm_partition_degrades_to_none_on_cpu_and_the_wrapper_still_runs(capl
 def test_the_public_contract_is_importable_from_the_package():
     import ubatch
 
-    for name in ("ForwardContext", "set_forward_context", "override_forward_context", "get_forward_context",
-                 "UBatchSlice", "split_batch", "UBatchWrapper", "current_ubatch_id", "yield_ubatch",
-                 "CUDAGraphMode", "BatchExecutionDescriptor", "CudaGraphManager"):
+    for name in (
+        "ForwardContext",
+        "set_forward_context",
+        "override_forward_context",
+        "get_forward_context",
+        "UBatchSlice",
+        "split_batch",
+        "UBatchWrapper",
+        "current_ubatch_id",
+        "yield_ubatch",
+        "CUDAGraphMode",
+        "BatchExecutionDescriptor",
+        "CudaGraphManager",
+    ):
         assert hasattr(ubatch, name), name
 
 
@@ -278,13 +307,22 @@ def _sizes_seen(seen):
     return run
 
 
-@pytest.mark.parametrize("x, message", [
-    (torch.zeros(10), r"argument 0 \(x\) has leading dimension 10, but the ubatch slices cover 8: declare it "
-                      r"shared"),
-    (torch.zeros(2, 8, 3), r"argument 0 \(x\) has leading dimension 2, but the ubatch slices cover 8"),
-    (torch.tensor(1.0), r"argument 0 \(x\) is a 0-d tensor, which cannot be split into ubatches: declare it "
-                        r"shared"),
-])
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (
+            torch.zeros(10),
+            r"argument 0 \(x\) has leading dimension 10, but the ubatch slices cover 8: declare it "
+            r"shared",
+        ),
+        (torch.zeros(2, 8, 3), r"argument 0 \(x\) has leading dimension 2, but the ubatch slices cover 8"),
+        (
+            torch.tensor(1.0),
+            r"argument 0 \(x\) is a 0-d tensor, which cannot be split into ubatches: declare it "
+            r"shared",
+        ),
+    ],
+)
 def test_a_tensor_that_matches_no_slice_is_an_error_naming_it(x, message):
     wrapper = UBatchWrapper(_sizes_seen([]), device="cpu")
     with set_forward_context(None, ubatch_slices=split_batch([4, 4], 2)):
@@ -313,8 +351,11 @@ def test_a_declared_batch_dim_is_split_and_merged_along_that_dim():
     x = torch.arange(24.0).view(2, 12)
     with set_forward_context(None, ubatch_slices=split_batch([4, 4, 4], 3)):
         out = wrapper(x)
-        with pytest.raises(ValueError, match=r"argument 0 \(x\) is declared batched along dim 1, where it has size "
-                                             r"10, but the ubatch slices cover 12"):
+        with pytest.raises(
+            ValueError,
+            match=r"argument 0 \(x\) is declared batched along dim 1, where it has size "
+            r"10, but the ubatch slices cover 12",
+        ):
             wrapper(torch.zeros(2, 10))
     assert [shape for _, shape in seen] == [(2, 4)] * 3
     assert torch.equal(out, x)
@@ -341,23 +382,29 @@ def test_with_a_forward_context_that_says_no_split_the_call_runs_whole():
 
 def test_batched_arguments_must_agree_on_the_batch_size():
     wrapper = UBatchWrapper(lambda a, b: a, device="cpu", batched={"a": 0, "b": 1})
-    with pytest.raises(ValueError, match=r"batched arguments disagree on the batch size: argument 0 \(a\) has 4 "
-                                         r"rows along its batch dimension, argument 'b' has 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"batched arguments disagree on the batch size: argument 0 \(a\) has 4 "
+        r"rows along its batch dimension, argument 'b' has 3",
+    ):
         wrapper(torch.zeros(4), b=torch.zeros(2, 3))
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(batched={"y": 0}), ValueError, r"argument 'y' is declared, but .* has no parameter of that name"),
-    (dict(batched={3: 0}), ValueError, r"positional argument 3 is declared, but .* takes 2 positional arguments"),
-    (dict(batched={"x": 0}, shared=("x",)), ValueError, "argument 'x' is declared both batched and shared"),
-    (dict(batched={"x": 0}, shared=(0,)), ValueError, "argument 0 is declared twice, by name and by position"),
-    (dict(batched={"x": -1}), ValueError, r"batched\['x'\] must be a dimension \(an int >= 0\), got -1"),
-    (dict(batched={"x": True}), TypeError, r"batched\['x'\] must be a dimension"),
-    (dict(batched={"x": 0.0}), TypeError, r"batched\['x'\] must be a dimension \(an int >= 0\), got 0.0"),
-    (dict(batched={True: 0}), TypeError, "batched keys must be argument names .* got True"),
-    (dict(batched=["x"]), TypeError, "batched must map argument names or indices to a dim, got list"),
-    (dict(shared="x"), TypeError, "shared must be a collection of argument names or indices, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(batched={"y": 0}), ValueError, r"argument 'y' is declared, but .* has no parameter of that name"),
+        (dict(batched={3: 0}), ValueError, r"positional argument 3 is declared, but .* takes 2 positional arguments"),
+        (dict(batched={"x": 0}, shared=("x",)), ValueError, "argument 'x' is declared both batched and shared"),
+        (dict(batched={"x": 0}, shared=(0,)), ValueError, "argument 0 is declared twice, by name and by position"),
+        (dict(batched={"x": -1}), ValueError, r"batched\['x'\] must be a dimension \(an int >= 0\), got -1"),
+        (dict(batched={"x": True}), TypeError, r"batched\['x'\] must be a dimension"),
+        (dict(batched={"x": 0.0}), TypeError, r"batched\['x'\] must be a dimension \(an int >= 0\), got 0.0"),
+        (dict(batched={True: 0}), TypeError, "batched keys must be argument names .* got True"),
+        (dict(batched=["x"]), TypeError, "batched must map argument names or indices to a dim, got list"),
+        (dict(shared="x"), TypeError, "shared must be a collection of argument names or indices, got 'x'"),
+    ],
+)
 def test_bad_declarations_are_refused_at_construction(kwargs, error, message):
     def run(x, scale):
         return x
@@ -396,15 +443,32 @@ class _Cache:
     """Per-ubatch state without a merge (a transformers DynamicCache, say)."""
 
 
-@pytest.mark.parametrize("extra, error, message", [
-    (lambda rows: _Cache(), TypeError, r"cannot merge output\.extra: the ubatches returned _Cache objects that differ"),
-    (lambda rows: (torch.zeros(rows), torch.tensor(float(rows))), ValueError,
-     r"cannot merge output\.extra\[1\]: each ubatch returned a different 0-d tensor"),
-    (lambda rows: [torch.zeros(rows * 3, 2)], ValueError,
-     r"cannot merge output\.extra\[0\]: ubatch 0 returned shape \(9, 2\), but its slice holds 3 rows along dim 0"),
-    (lambda rows: {"k": torch.zeros(rows)} if rows == 3 else {"j": torch.zeros(rows)}, TypeError,
-     r"cannot merge output\.extra: ubatch 0 returned keys \['k'\], ubatch 1 \['j'\]"),
-])
+@pytest.mark.parametrize(
+    "extra, error, message",
+    [
+        (
+            lambda rows: _Cache(),
+            TypeError,
+            r"cannot merge output\.extra: the ubatches returned _Cache objects that differ",
+        ),
+        (
+            lambda rows: (torch.zeros(rows), torch.tensor(float(rows))),
+            ValueError,
+            r"cannot merge output\.extra\[1\]: each ubatch returned a different 0-d tensor",
+        ),
+        (
+            lambda rows: [torch.zeros(rows * 3, 2)],
+            ValueError,
+            r"cannot merge output\.extra\[0\]: ubatch 0 returned shape \(9, 2\), "
+            r"but its slice holds 3 rows along dim 0",
+        ),
+        (
+            lambda rows: {"k": torch.zeros(rows)} if rows == 3 else {"j": torch.zeros(rows)},
+            TypeError,
+            r"cannot merge output\.extra: ubatch 0 returned keys \['k'\], ubatch 1 \['j'\]",
+        ),
+    ],
+)
 def test_outputs_that_cannot_merge_name_the_field(extra, error, message):
     wrapper = UBatchWrapper(lambda x: _Output(logits=x, extra=extra(x.shape[0])), device="cpu")
     with set_forward_context(None, ubatch_slices=split_batch([3, 4], 2)):
@@ -491,8 +555,9 @@ def test_state_dict_keys_are_the_wrapped_modules_both_ways():
 
 def test_state_dict_of_a_model_holding_a_wrapper_is_that_of_the_unwrapped_model():
     plain = torch.nn.ModuleDict({"pre": torch.nn.Linear(4, 4), "body": _mlp(), "post": torch.nn.Linear(4, 1)})
-    holder = torch.nn.ModuleDict({"pre": torch.nn.Linear(4, 4), "body": UBatchWrapper(_mlp(), device="cpu"),
-                                  "post": torch.nn.Linear(4, 1)})
+    holder = torch.nn.ModuleDict(
+        {"pre": torch.nn.Linear(4, 4), "body": UBatchWrapper(_mlp(), device="cpu"), "post": torch.nn.Linear(4, 1)}
+    )
     assert list(holder.state_dict()) == list(plain.state_dict())
     holder.load_state_dict(plain.state_dict())
     assert torch.equal(holder["body"].module[0].weight, plain["body"][0].weight)
@@ -541,8 +606,13 @@ def test_a_plain_callable_is_kept_as_an_attribute():
 def test_a_transformers_model_splits_its_batch_without_a_forward_context():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -550,8 +620,9 @@ def test_a_transformers_model_splits_its_batch_without_a_forward_context():
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :3] = 0
     rows = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
-                                    with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     wrapper = UBatchWrapper(model, num_ubatches=3, device="cpu", batched={"input_ids": 0, "attention_mask": 0})
     with torch.no_grad():
         expected = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -559,8 +630,11 @@ def test_a_transformers_model_splits_its_batch_without_a_forward_context():
         out = wrapper(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         assert rows == [1, 2, 2]
         torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5)
-        with pytest.raises(TypeError, match=r"cannot merge output\.(past_key_values|cache): the ubatches returned "
-                                            r"DynamicCache objects that differ"):
+        with pytest.raises(
+            TypeError,
+            match=r"cannot merge output\.(past_key_values|cache): the ubatches returned "
+            r"DynamicCache objects that differ",
+        ):
             wrapper(input_ids=input_ids, use_cache=True)
     assert list(wrapper.state_dict()) == list(model.state_dict())
     assert wrapper.eval() is wrapper and wrapper.config is model.config

@@ -98,15 +98,19 @@ class ArgumentSplitter:
         for key, decl in decls.items():
             if isinstance(key, str):
                 if params is not None and not params.var_kwargs and key not in params.names:
-                    raise ValueError(f"argument {key!r} is declared, but {_describe(runnable)} has no parameter "
-                                     f"of that name (it has {sorted(params.names)})")
+                    raise ValueError(
+                        f"argument {key!r} is declared, but {_describe(runnable)} has no parameter "
+                        f"of that name (it has {sorted(params.names)})"
+                    )
                 self._set(self._by_name, key, decl)
                 if key in self._names:
                     self._set(self._by_position, self._names.index(key), decl)
             else:
                 if params is not None and not params.var_args and key >= len(self._names):
-                    raise ValueError(f"positional argument {key} is declared, but {_describe(runnable)} takes "
-                                     f"{len(self._names)} positional arguments")
+                    raise ValueError(
+                        f"positional argument {key} is declared, but {_describe(runnable)} takes "
+                        f"{len(self._names)} positional arguments"
+                    )
                 self._set(self._by_position, key, decl)
                 if key < len(self._names):
                     self._set(self._by_name, self._names[key], decl)
@@ -132,8 +136,10 @@ class ArgumentSplitter:
                 continue
             size = self._size_along(key, value, decl)
             if found is not None and found[1] != size:
-                raise ValueError(f"batched arguments disagree on the batch size: {found[0]} has {found[1]} "
-                                 f"rows along its batch dimension, {self._label(key)} has {size}")
+                raise ValueError(
+                    f"batched arguments disagree on the batch size: {found[0]} has {found[1]} "
+                    f"rows along its batch dimension, {self._label(key)} has {size}"
+                )
             found = (self._label(key), size)
         return None if found is None else found[1]
 
@@ -141,8 +147,9 @@ class ArgumentSplitter:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{self._label(key)} is declared batched but is a {type(value).__name__}, not a tensor")
         if value.dim() <= dim:
-            raise ValueError(f"{self._label(key)} is declared batched along dim {dim} but has shape "
-                             f"{tuple(value.shape)}")
+            raise ValueError(
+                f"{self._label(key)} is declared batched along dim {dim} but has shape {tuple(value.shape)}"
+            )
         return value.shape[dim]
 
     def split(self, args: tuple, kwargs: dict, slices: Sequence[UBatchSlice]) -> list[tuple[tuple, dict]]:
@@ -150,8 +157,13 @@ class ArgumentSplitter:
         total = slices[-1].token_slice.stop
         arg_dims = [self._split_dim(i, a, self._by_position.get(i), total) for i, a in enumerate(args)]
         kwarg_dims = {k: self._split_dim(k, v, self._by_name.get(k), total) for k, v in kwargs.items()}
-        return [(tuple(_cut(a, d, s) for a, d in zip(args, arg_dims)),
-                 {k: _cut(v, kwarg_dims[k], s) for k, v in kwargs.items()}) for s in slices]
+        return [
+            (
+                tuple(_cut(a, d, s) for a, d in zip(args, arg_dims)),
+                {k: _cut(v, kwarg_dims[k], s) for k, v in kwargs.items()},
+            )
+            for s in slices
+        ]
 
     def _split_dim(self, key: ArgumentKey, value: Any, decl: int | str | None, total: int) -> int | None:
         """The dimension ``value`` is cut along, or None to pass it whole."""
@@ -160,18 +172,24 @@ class ArgumentSplitter:
         if decl is not None:
             size = self._size_along(key, value, decl)
             if size != total:
-                raise ValueError(f"{self._label(key)} is declared batched along dim {decl}, where it has size "
-                                 f"{size}, but the ubatch slices cover {total}")
+                raise ValueError(
+                    f"{self._label(key)} is declared batched along dim {decl}, where it has size "
+                    f"{size}, but the ubatch slices cover {total}"
+                )
             return decl
         if not isinstance(value, torch.Tensor):
             return None
         if value.dim() == 0:
-            raise ValueError(f"{self._label(key)} is a 0-d tensor, which cannot be split into ubatches: declare it "
-                             f"shared to pass it whole to every ubatch")
+            raise ValueError(
+                f"{self._label(key)} is a 0-d tensor, which cannot be split into ubatches: declare it "
+                f"shared to pass it whole to every ubatch"
+            )
         if value.shape[0] != total:
-            raise ValueError(f"{self._label(key)} has leading dimension {value.shape[0]}, but the ubatch slices "
-                             f"cover {total}: declare it shared to pass it whole to every ubatch, or batched "
-                             f"(with its batch dimension) to split it")
+            raise ValueError(
+                f"{self._label(key)} has leading dimension {value.shape[0]}, but the ubatch slices "
+                f"cover {total}: declare it shared to pass it whole to every ubatch, or batched "
+                f"(with its batch dimension) to split it"
+            )
         return 0
 
 
@@ -203,8 +221,10 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], dim: int = 0, pa
         return _merge_sequence(outputs, sizes, dim, path)
     if all(_same(o, first) for o in outputs[1:]):
         return first
-    raise TypeError(f"cannot merge {path}: the ubatches returned {type(first).__name__} objects that differ, "
-                    f"and only tensors (and tuples, lists and dicts of them) can be concatenated")
+    raise TypeError(
+        f"cannot merge {path}: the ubatches returned {type(first).__name__} objects that differ, "
+        f"and only tensors (and tuples, lists and dicts of them) can be concatenated"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -224,13 +244,17 @@ def _cat(outputs: Sequence[Any], sizes: Sequence[int], dim: int, path: str) -> t
     if first.dim() == 0:
         if all(torch.equal(o, first) for o in outputs[1:]):
             return first
-        raise ValueError(f"cannot merge {path}: each ubatch returned a different 0-d tensor (a per-ubatch "
-                         f"reduction, such as a loss, cannot be concatenated)")
+        raise ValueError(
+            f"cannot merge {path}: each ubatch returned a different 0-d tensor (a per-ubatch "
+            f"reduction, such as a loss, cannot be concatenated)"
+        )
     for i, (out, size) in enumerate(zip(outputs, sizes)):
         if out.dim() <= dim or out.shape[dim] != size:
-            raise ValueError(f"cannot merge {path}: ubatch {i} returned shape {tuple(out.shape)}, but its slice "
-                             f"holds {size} rows along dim {dim} (an output that is not per row, such as router "
-                             f"logits over flattened tokens, cannot be concatenated)")
+            raise ValueError(
+                f"cannot merge {path}: ubatch {i} returned shape {tuple(out.shape)}, but its slice "
+                f"holds {size} rows along dim {dim} (an output that is not per row, such as router "
+                f"logits over flattened tokens, cannot be concatenated)"
+            )
     return torch.cat(list(outputs), dim=dim)
 
 
@@ -241,8 +265,10 @@ def _merge_dict(outputs: Sequence[Any], sizes: Sequence[int], dim: int, path: st
             keys = list(out.keys()) if isinstance(out, dict) else type(out).__name__
             raise TypeError(f"cannot merge {path}: ubatch 0 returned keys {list(first.keys())}, ubatch {i} {keys}")
     as_fields = dataclasses.is_dataclass(first)  # transformers' ModelOutput: fields, rebuilt by keyword
-    merged = {key: merge_outputs([o[key] for o in outputs], sizes, dim,
-                                 f"{path}.{key}" if as_fields else f"{path}[{key!r}]") for key in first}
+    merged = {
+        key: merge_outputs([o[key] for o in outputs], sizes, dim, f"{path}.{key}" if as_fields else f"{path}[{key!r}]")
+        for key in first
+    }
     return type(first)(**merged) if as_fields else type(first)(merged)
 
 
@@ -250,11 +276,15 @@ def _merge_sequence(outputs: Sequence[Any], sizes: Sequence[int], dim: int, path
     first = outputs[0]
     for i, out in enumerate(outputs):
         if type(out) is not type(first) or len(out) != len(first):
-            raise TypeError(f"cannot merge {path}: ubatch 0 returned a {type(first).__name__} of {len(first)}, "
-                            f"ubatch {i} {_shape_of(out)}")
+            raise TypeError(
+                f"cannot merge {path}: ubatch 0 returned a {type(first).__name__} of {len(first)}, "
+                f"ubatch {i} {_shape_of(out)}"
+            )
     fields = getattr(first, "_fields", None)  # a namedtuple
-    parts = [merge_outputs(items, sizes, dim, f"{path}.{fields[k]}" if fields else f"{path}[{k}]")
-             for k, items in enumerate(zip(*outputs))]
+    parts = [
+        merge_outputs(items, sizes, dim, f"{path}.{fields[k]}" if fields else f"{path}[{k}]")
+        for k, items in enumerate(zip(*outputs))
+    ]
     return type(first)(*parts) if fields else type(first)(parts)
 
 

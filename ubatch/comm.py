@@ -162,8 +162,9 @@ def all_to_all_single(
     _check_tensor("input", input)
 
     def launch(is_async: bool, group: Any) -> Any:
-        return _call("all_to_all_single", group, output, input, output_split_sizes, input_split_sizes,
-                     async_op=is_async)
+        return _call(
+            "all_to_all_single", group, output, input, output_split_sizes, input_split_sizes, async_op=is_async
+        )
 
     def local() -> None:
         if output.shape != input.shape:

@@ -84,9 +84,7 @@ class ForwardContext:
         return self.__dict__.setdefault("_step_memo", {})
 
 
-_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
-    "ubatch_forward_context", default=None
-)
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("ubatch_forward_context", default=None)
 _forced_skip_attention: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "ubatch_forced_skip_attention", default=None
 )

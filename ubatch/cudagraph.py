@@ -7,8 +7,9 @@ live in static buffers that the caller refills before each replay.
 PIECEWISE captures the step as graph segments between eager islands (attention and
 collectives, see ``ubatch.islands``); at replay the segments replay and the islands run eagerly
 with the step's real forward context. A ubatched step becomes one such program per ubatch,
-replayed through the scheduler so that collectives still overlap. By default attention takes its profiling path during the
-warm-up and capture of a PIECEWISE descriptor; with ``use_breakable_cg`` it runs there too.
+replayed through the scheduler so that collectives still overlap. By default attention takes its
+profiling path during the warm-up and capture of a PIECEWISE descriptor; with
+``use_breakable_cg`` it runs there too.
 
 The rule that ended the bug this project started from: whether attention is skipped during a
 descriptor's warm-up and capture is decided here, from the descriptor's target mode, and fixed
@@ -64,7 +65,10 @@ class BatchExecutionDescriptor:
                 raise ValueError(f"num_tokens={self.num_tokens} is not a multiple of uniform_token_count={u}")
             expected = self.num_tokens // u
             if self.num_reqs not in (None, expected):
-                raise ValueError(f"a uniform batch of {self.num_tokens} tokens, {u} per request, has {expected} requests, not {self.num_reqs}")
+                raise ValueError(
+                    f"a uniform batch of {self.num_tokens} tokens, {u} per request, has {expected} requests, "
+                    f"not {self.num_reqs}"
+                )
             object.__setattr__(self, "num_reqs", expected)
         if self.num_ubatches > self.num_tokens:
             raise ValueError(f"num_ubatches={self.num_ubatches} exceeds num_tokens={self.num_tokens}")
@@ -91,20 +95,26 @@ def make_descriptors(
         for n in ubatch_counts:
             for u in widths:
                 if CUDAGraphMode.FULL in modes and size % u == 0 and size // u >= n:
-                    out.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=u, num_ubatches=n))
+                    out.append(
+                        BatchExecutionDescriptor(CUDAGraphMode.FULL, size, uniform_token_count=u, num_ubatches=n)
+                    )
             if CUDAGraphMode.PIECEWISE in modes and size >= n:
                 out.append(BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, size, num_ubatches=n))
     return out
 
 
-def _compatible(desc: BatchExecutionDescriptor, num_tokens: int, num_reqs: int | None,
-                uniform_token_count: int | None, num_ubatches: int) -> bool:
+def _compatible(
+    desc: BatchExecutionDescriptor,
+    num_tokens: int,
+    num_reqs: int | None,
+    uniform_token_count: int | None,
+    num_ubatches: int,
+) -> bool:
     if desc.num_ubatches != num_ubatches or desc.num_tokens < num_tokens:
         return False
     if desc.uniform_token_count is None:
         return True
-    return (uniform_token_count == desc.uniform_token_count and num_reqs is not None
-            and num_reqs <= desc.num_reqs)
+    return uniform_token_count == desc.uniform_token_count and num_reqs is not None and num_reqs <= desc.num_reqs
 
 
 def dispatch(
@@ -251,8 +261,12 @@ class _PiecewiseRecorder:
         self.open()
         return out
 
-    def ubatches(self, run: Callable[[list[Callable[[], Any]]], list[Any]], tasks: list[Callable[[], Any]],
-                 contextualize: Callable[[list[Callable[[], Any]]], list[Callable[[], Any]]]) -> list[Any]:
+    def ubatches(
+        self,
+        run: Callable[[list[Callable[[], Any]]], list[Any]],
+        tasks: list[Callable[[], Any]],
+        contextualize: Callable[[list[Callable[[], Any]]], list[Callable[[], Any]]],
+    ) -> list[Any]:
         """Capture each ubatch as its own program on its own stream. Captures never overlap:
         a ubatch yields only inside an island, where its segment is closed."""
         self.close()
@@ -325,12 +339,15 @@ class CudaGraphManager:
                 self._capture_one(create_forward_fn, desc)
             logger.info(
                 "captured %d %s graphs in %.1f s, %.1f MiB of graph memory",
-                sum(d in self.graphs for d in batch), mode.name, time.perf_counter() - start,
+                sum(d in self.graphs for d in batch),
+                mode.name,
+                time.perf_counter() - start,
                 (self.backend.memory_in_use() - memory) / 2**20,
             )
 
-    def _capture_one(self, create_forward_fn: Callable[[BatchExecutionDescriptor], ForwardFn],
-                     desc: BatchExecutionDescriptor) -> None:
+    def _capture_one(
+        self, create_forward_fn: Callable[[BatchExecutionDescriptor], ForwardFn], desc: BatchExecutionDescriptor
+    ) -> None:
         rng = self.backend.rng_state()
         try:
             forward_fn = create_forward_fn(desc)
@@ -349,13 +366,24 @@ class CudaGraphManager:
             self.backend.recover()
             self.backend.set_rng_state(rng)
 
-    def dispatch(self, num_tokens: int, *, num_reqs: int | None = None,
-                 uniform_token_count: int | None = None, num_ubatches: int = 1) -> BatchExecutionDescriptor | None:
+    def dispatch(
+        self,
+        num_tokens: int,
+        *,
+        num_reqs: int | None = None,
+        uniform_token_count: int | None = None,
+        num_ubatches: int = 1,
+    ) -> BatchExecutionDescriptor | None:
         """The captured descriptor to replay for this batch, or None (run eagerly)."""
         if not self.enabled:
             return None
-        return dispatch(self.graphs, num_tokens, num_reqs=num_reqs,
-                        uniform_token_count=uniform_token_count, num_ubatches=num_ubatches)
+        return dispatch(
+            self.graphs,
+            num_tokens,
+            num_reqs=num_reqs,
+            uniform_token_count=uniform_token_count,
+            num_ubatches=num_ubatches,
+        )
 
     def replay(self, desc: BatchExecutionDescriptor) -> Any:
         """Replay ``desc``'s graph and return its static output (refilled in place).

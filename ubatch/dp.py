@@ -56,8 +56,13 @@ class _Vote:
     num_ubatches: int
 
     def as_list(self) -> list[int]:
-        return [self.num_tokens_unpadded, self.num_tokens_padded, int(self.wants_ubatch),
-                int(self.cudagraph_mode), self.num_ubatches]
+        return [
+            self.num_tokens_unpadded,
+            self.num_tokens_padded,
+            int(self.wants_ubatch),
+            int(self.cudagraph_mode),
+            self.num_ubatches,
+        ]
 
     @classmethod
     def from_list(cls, values: list[int]) -> _Vote:
@@ -65,11 +70,14 @@ class _Vote:
         return cls(unpadded, padded, bool(wants), CUDAGraphMode(mode), n)
 
 
-def _validate(num_tokens_unpadded: Any, num_tokens_padded: Any, wants_ubatch: Any, cudagraph_mode: Any,
-              num_ubatches: Any) -> _Vote:
-    for name, value, minimum in (("num_tokens_unpadded", num_tokens_unpadded, 0),
-                                 ("num_tokens_padded", num_tokens_padded, 0),
-                                 ("num_ubatches", num_ubatches, 1)):
+def _validate(
+    num_tokens_unpadded: Any, num_tokens_padded: Any, wants_ubatch: Any, cudagraph_mode: Any, num_ubatches: Any
+) -> _Vote:
+    for name, value, minimum in (
+        ("num_tokens_unpadded", num_tokens_unpadded, 0),
+        ("num_tokens_padded", num_tokens_padded, 0),
+        ("num_ubatches", num_ubatches, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if num_tokens_padded < num_tokens_unpadded:

@@ -37,12 +37,15 @@ class GraphedModel:
         self.model = model
         self.single_batch_overlap = single_batch_overlap
         self.max_blocks_per_req = max_blocks_per_req
-        self.manager = CudaGraphManager(device=model.device, use_breakable_cg=use_breakable_cg,
-                                        backend=graph_backend)
-        self.descriptors = make_descriptors(capture_sizes, modes=modes, uniform_token_count=uniform_token_count,
-                                            ubatch_counts=ubatch_counts)
-        self.wrappers = {n: UBatchWrapper(model, num_ubatches=n, device=model.device, sm_partition=sm_partition)
-                         for n in ubatch_counts if n > 1 or single_batch_overlap}
+        self.manager = CudaGraphManager(device=model.device, use_breakable_cg=use_breakable_cg, backend=graph_backend)
+        self.descriptors = make_descriptors(
+            capture_sizes, modes=modes, uniform_token_count=uniform_token_count, ubatch_counts=ubatch_counts
+        )
+        self.wrappers = {
+            n: UBatchWrapper(model, num_ubatches=n, device=model.device, sm_partition=sm_partition)
+            for n in ubatch_counts
+            if n > 1 or single_batch_overlap
+        }
         self.static: dict[BatchExecutionDescriptor, Any] = {}
 
     def _runnable(self, num_ubatches: int) -> Any:
@@ -58,8 +61,9 @@ class GraphedModel:
     def _create_forward_fn(self, desc: BatchExecutionDescriptor):
         model = self.model
         if desc.cg_mode == CUDAGraphMode.FULL:
-            static = StaticUniformBatch(desc, layer_names=model.layer_names,
-                                        max_blocks_per_req=self.max_blocks_per_req, device=model.device)
+            static = StaticUniformBatch(
+                desc, layer_names=model.layer_names, max_blocks_per_req=self.max_blocks_per_req, device=model.device
+            )
             self.static[desc] = static
             metadata, kwargs = static.attn_metadata(), static.forward_context_kwargs()
             if desc.num_ubatches == 1 and self.single_batch_overlap:
@@ -74,8 +78,13 @@ class GraphedModel:
         skip_attention = self.manager.skip_attention_for(desc)
 
         def forward_fn(mode: CUDAGraphMode) -> torch.Tensor:
-            with set_forward_context(metadata, no_compile_layers=model.attention_layers,
-                                     cudagraph_runtime_mode=mode, skip_attention=skip_attention, **kwargs):
+            with set_forward_context(
+                metadata,
+                no_compile_layers=model.attention_layers,
+                cudagraph_runtime_mode=mode,
+                skip_attention=skip_attention,
+                **kwargs,
+            ):
                 return runnable(static.input_ids, static.positions)
 
         return forward_fn
@@ -85,9 +94,11 @@ class GraphedModel:
         over (a default PIECEWISE capture skips attention and never reads it)."""
         device = self.model.device
         md = build_attention_metadata(
-            [num_tokens], [num_tokens],
+            [num_tokens],
+            [num_tokens],
             torch.zeros(1, self.max_blocks_per_req, dtype=torch.int32, device=device),
-            torch.full((num_tokens,), -1, dtype=torch.int64, device=device), device=device,
+            torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            device=device,
         )
         return {name: md for name in self.model.layer_names}
 
@@ -102,23 +113,40 @@ class GraphedModel:
         self.manager.release()
         self.static.clear()
 
-    def plan(self, num_tokens: int, num_reqs: int, uniform_token_count: int | None, *,
-             num_ubatches: int = 1, num_tokens_padded: int | None = None,
-             max_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> BatchExecutionDescriptor | None:
+    def plan(
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        uniform_token_count: int | None,
+        *,
+        num_ubatches: int = 1,
+        num_tokens_padded: int | None = None,
+        max_mode: CUDAGraphMode = CUDAGraphMode.FULL,
+    ) -> BatchExecutionDescriptor | None:
         """The graph a batch would replay: the smallest fitting descriptor, or one of exactly
         ``num_tokens_padded`` tokens when given (data-parallel ranks must all run one size), of a
         mode no higher than ``max_mode``; None means eager."""
         if not self.manager.enabled:
             return None
-        fits = [d for d in self.manager.graphs if d.cg_mode <= max_mode
-                and (num_tokens_padded is None or d.num_tokens == num_tokens_padded)
-                and (d.num_ubatches - 1) * d.num_tokens // d.num_ubatches < num_tokens]  # no all-padding ubatch
+        fits = [
+            d
+            for d in self.manager.graphs
+            if d.cg_mode <= max_mode
+            and (num_tokens_padded is None or d.num_tokens == num_tokens_padded)
+            and (d.num_ubatches - 1) * d.num_tokens // d.num_ubatches < num_tokens
+        ]  # no all-padding ubatch
         target = num_tokens if num_tokens_padded is None else num_tokens_padded
-        return dispatch(fits, target, num_reqs=num_reqs, uniform_token_count=uniform_token_count,
-                        num_ubatches=num_ubatches)
+        return dispatch(
+            fits, target, num_reqs=num_reqs, uniform_token_count=uniform_token_count, num_ubatches=num_ubatches
+        )
 
-    def replay(self, desc: BatchExecutionDescriptor, input_ids: torch.Tensor, positions: torch.Tensor,
-               metadata: AttentionMetadata) -> torch.Tensor:
+    def replay(
+        self,
+        desc: BatchExecutionDescriptor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Replay ``desc`` on this batch: hidden states ``[desc.num_tokens, H]`` (rows past the
         batch's tokens are padding)."""
         static = self.static[desc]
@@ -126,28 +154,40 @@ class GraphedModel:
         if desc.cg_mode == CUDAGraphMode.FULL:
             return self.manager.replay(desc)
         slices = self._slices(metadata.query_lens(), desc.num_ubatches, desc.num_tokens)
-        with set_forward_context({n: metadata for n in self.model.layer_names},
-                                 no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
-                                 cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens=desc.num_tokens):
+        with set_forward_context(
+            {n: metadata for n in self.model.layer_names},
+            no_compile_layers=self.model.attention_layers,
+            ubatch_slices=slices,
+            cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+            num_tokens=desc.num_tokens,
+        ):
             return self.manager.replay(desc)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            *, num_ubatches: int = 1) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, *, num_ubatches: int = 1
+    ) -> torch.Tensor:
         """The step's hidden states ``[num_actual_tokens, H]``, replayed where a graph fits."""
-        desc = self.plan(metadata.num_actual_tokens, metadata.num_reqs, uniform_token_count(metadata),
-                         num_ubatches=num_ubatches)
+        desc = self.plan(
+            metadata.num_actual_tokens, metadata.num_reqs, uniform_token_count(metadata), num_ubatches=num_ubatches
+        )
         with torch.inference_mode():
             if desc is None:
                 return self.eager(input_ids, positions, metadata, num_ubatches=num_ubatches)
             return self.replay(desc, input_ids, positions, metadata)[: metadata.num_actual_tokens]
 
-    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-              *, num_ubatches: int = 1) -> torch.Tensor:
+    def eager(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, *, num_ubatches: int = 1
+    ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         slices = self._slices(metadata.query_lens(), num_ubatches)
-        with torch.inference_mode(), set_forward_context(
-            {n: metadata for n in self.model.layer_names}, no_compile_layers=self.model.attention_layers,
-            ubatch_slices=slices, num_tokens=num_tokens,
+        with (
+            torch.inference_mode(),
+            set_forward_context(
+                {n: metadata for n in self.model.layer_names},
+                no_compile_layers=self.model.attention_layers,
+                ubatch_slices=slices,
+                num_tokens=num_tokens,
+            ),
         ):
             return self._runnable(num_ubatches)(input_ids[:num_tokens], positions[:num_tokens])
 

@@ -15,15 +15,15 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-
 Tasks = list[Callable[[], Any]]
 
 
 class IslandRecorder(Protocol):
     def island(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any: ...
 
-    def ubatches(self, run: Callable[[Tasks], list[Any]], tasks: Tasks,
-                 contextualize: Callable[[Tasks], Tasks]) -> list[Any]: ...
+    def ubatches(
+        self, run: Callable[[Tasks], list[Any]], tasks: Tasks, contextualize: Callable[[Tasks], Tasks]
+    ) -> list[Any]: ...
 
 
 _recorder: contextvars.ContextVar[IslandRecorder | None] = contextvars.ContextVar(

@@ -231,7 +231,7 @@ class _CudaStaging:
         self.bandwidth_gbps = bandwidth_gbps
         self.side = torch.cuda.Stream(device)
         ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
-        self.slots = [ring[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
+        self.slots = [ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # D2H of the slot done
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
@@ -292,11 +292,11 @@ class _CudaStaging:
                 torch.cuda._sleep(cycles)  # before the copy, so the last H2D does not hide under it
             if k >= RING_SLOTS:
                 current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
-            slot.copy_(src[offset:offset + size], non_blocking=True)
+            slot.copy_(src[offset : offset + size], non_blocking=True)
             self.staged[j].record(current)
             self.side.wait_event(self.staged[j])
             with torch.cuda.stream(self.side):
-                dst[offset:offset + size].copy_(slot, non_blocking=True)
+                dst[offset : offset + size].copy_(slot, non_blocking=True)
             self.drained[j].record(self.side)
         current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
         if not capturing:
@@ -394,14 +394,18 @@ class HostLink:
         if input.dim() == 0:
             raise ValueError(f"{op} needs tensors with a first dimension, got a 0-dim input")
         if output.shape != input.shape:
-            raise ValueError(f"{op} on a HostLink (a world of one) needs output.shape == input.shape, "
-                             f"got {tuple(output.shape)} and {tuple(input.shape)}")
+            raise ValueError(
+                f"{op} on a HostLink (a world of one) needs output.shape == input.shape, "
+                f"got {tuple(output.shape)} and {tuple(input.shape)}"
+            )
         rows = input.shape[0]
         sent = self._splits(op, "input_split_sizes", input_split_sizes, rows)
         received = self._splits(op, "output_split_sizes", output_split_sizes, rows)
         if sent != received:
-            raise ValueError(f"{op} on a HostLink returns the input as the output, so output_split_sizes must "
-                             f"equal input_split_sizes, got {received} and {sent}")
+            raise ValueError(
+                f"{op} on a HostLink returns the input as the output, so output_split_sizes must "
+                f"equal input_split_sizes, got {received} and {sent}"
+            )
         own = sent[0] * (input.nbytes // rows if rows else 0)
         return self._exchange(op, output, input, own, async_op)
 
@@ -438,8 +442,10 @@ class HostLink:
     def _one_rank_copy(self, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> LinkWork | None:
         self._check_pair(op, output, input, async_op)
         if output.numel() != input.numel():
-            raise ValueError(f"{op} on a HostLink (a world of one) needs equal sizes, "
-                             f"got {output.numel()} and {input.numel()} elements")
+            raise ValueError(
+                f"{op} on a HostLink (a world of one) needs equal sizes, "
+                f"got {output.numel()} and {input.numel()} elements"
+            )
         own = input.numel() // self.world_size * input.element_size()
         return self._exchange(op, output, input, own, async_op)
 
@@ -537,8 +543,10 @@ def _check_async(op: str, async_op: Any) -> None:
 
 def _check_reduce_op(op: str, reduce_op: Any) -> None:
     if not any(reduce_op == known for known in _ONE_RANK_OPS):
-        raise ValueError(f"{op}: HostLink supports the reductions that are the identity over one rank "
-                         f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}")
+        raise ValueError(
+            f"{op}: HostLink supports the reductions that are the identity over one rank "
+            f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}"
+        )
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,10 @@ class OverlapMode:
     single_batch: bool = False
 
     def __post_init__(self) -> None:
-        for name, value, top in (("num_ubatches", self.num_ubatches, None),
-                                 ("expert_chunks", self.expert_chunks, MAX_EXPERT_CHUNKS)):
+        for name, value, top in (
+            ("num_ubatches", self.num_ubatches, None),
+            ("expert_chunks", self.expert_chunks, MAX_EXPERT_CHUNKS),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
                 raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
         if self.num_ubatches > 1 or self.expert_chunks > 1:
@@ -63,10 +65,11 @@ class OverlapMode:
         values: dict[str, int] = {}
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
-            digits = part[len(prefix):]
+            digits = part[len(prefix) :]
             if prefix not in fields or not digits or fields[prefix] in values:
-                raise ValueError(f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK "
-                                 "or splitN+pipelineK")
+                raise ValueError(
+                    f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK or splitN+pipelineK"
+                )
             values[fields[prefix]] = int(digits)
         return cls(**values)
 
@@ -97,5 +100,8 @@ def apply_expert_chunks(model: Any, chunks: int) -> None:
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
     """The modes this model can run: expert chunks must divide every MoE layer's local experts."""
     layers = list(moe_layers(model))
-    return [m for m in modes if m.expert_chunks == 1
-            or (layers and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers))]
+    return [
+        m
+        for m in modes
+        if m.expert_chunks == 1 or (layers and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers))
+    ]

@@ -94,8 +94,9 @@ def calibrate(
     samples = {t: serial_costs(t) for t in sizes}
     largest, smallest = max(sizes), min(sizes)
     comm = Linear.fit(list(samples), [m for _, m in samples.values()])
-    costs = StepCosts(samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2,
-                      stages=stages)
+    costs = StepCosts(
+        samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2, stages=stages
+    )
     stretch = step_time(largest, 2) / costs.pipeline_ms(largest, 2)
     return dataclasses.replace(costs, split_stretch=max(1.0, stretch))
 
@@ -104,9 +105,12 @@ def calibrate_from_samples(samples: Mapping[int, Mapping[str, float | None]], *,
     """``calibrate`` from ``{tokens: {compute_ms, comm_ms, baseline_ms, ubatched_ms}}``: the unsplit
     step's compute and communication measured apart, the unsplit step and the two-ubatch step, as
     ``ubatch-bench`` keeps them in its reports."""
-    return calibrate(lambda t: (samples[t]["compute_ms"], samples[t]["comm_ms"]),
-                     lambda t, n: samples[t]["baseline_ms"] if n == 1 else samples[t]["ubatched_ms"],
-                     sorted(samples), stages=stages)
+    return calibrate(
+        lambda t: (samples[t]["compute_ms"], samples[t]["comm_ms"]),
+        lambda t, n: samples[t]["baseline_ms"] if n == 1 else samples[t]["ubatched_ms"],
+        sorted(samples),
+        stages=stages,
+    )
 
 
 class SplitPolicy:
@@ -118,8 +122,14 @@ class SplitPolicy:
     split at 1024 tokens on the slow link; 1.05 picked the best count at every point).
     """
 
-    def __init__(self, costs: StepCosts | None = None, *, candidates: Sequence[int] = (1, 2, 3, 4),
-                 min_gain: float = 1.05, threshold_tokens: int = 4096) -> None:
+    def __init__(
+        self,
+        costs: StepCosts | None = None,
+        *,
+        candidates: Sequence[int] = (1, 2, 3, 4),
+        min_gain: float = 1.05,
+        threshold_tokens: int = 4096,
+    ) -> None:
         if not candidates or any(not isinstance(n, int) or n < 1 for n in candidates):
             raise ValueError(f"candidates must be ubatch counts >= 1, got {list(candidates)}")
         if min_gain < 1.0:

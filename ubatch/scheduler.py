@@ -118,8 +118,13 @@ class UBatchState:
         """Issue a collective on the comm stream (CUDA) or asynchronously (CPU), yield, then wait."""
         self.finish_collective(self.start_collective(op_name, launch, timeout))
 
-    def start_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None,
-                         pending: PendingCollective | None = None) -> PendingCollective:
+    def start_collective(
+        self,
+        op_name: str,
+        launch: Callable[[bool], Any],
+        timeout: float | None,
+        pending: PendingCollective | None = None,
+    ) -> PendingCollective:
         """Launch a collective without waiting for it: on CUDA it is enqueued on the comm stream
         after the compute issued so far; on CPU ``launch(True)`` returns the in-flight work.
 
@@ -180,11 +185,15 @@ def wait_failure_message(exc: BaseException, ubatch_id: int, op_name: str, limit
     """Say which of the usual reasons made a collective's wait fail: a peer that closed its
     connection (it exited or crashed), a wait that ran out of time, or something else."""
     if _PEER_CLOSED.search(str(exc)):
-        return (f"ubatch {ubatch_id}'s {op_name} failed: a peer rank closed its connection "
-                f"(it exited or crashed; check its logs): {exc}")
+        return (
+            f"ubatch {ubatch_id}'s {op_name} failed: a peer rank closed its connection "
+            f"(it exited or crashed; check its logs): {exc}"
+        )
     if _TIMED_OUT.search(str(exc)):
-        return (f"ubatch {ubatch_id} waited more than {limit_s:g} s for {op_name} "
-                f"(timed out: a peer rank may be slow, stuck or missing this collective): {exc}")
+        return (
+            f"ubatch {ubatch_id} waited more than {limit_s:g} s for {op_name} "
+            f"(timed out: a peer rank may be slow, stuck or missing this collective): {exc}"
+        )
     return f"ubatch {ubatch_id}'s {op_name} failed while waiting for its result: {exc}"
 
 
@@ -250,9 +259,7 @@ class UBatchScheduler:
 
     def _make_streams(self, compute_streams: Sequence[Any] | None, comm_stream: Any) -> None:
         if compute_streams is not None and len(compute_streams) != self.num_ubatches:
-            raise ValueError(
-                f"need one compute stream per ubatch ({self.num_ubatches}), got {len(compute_streams)}"
-            )
+            raise ValueError(f"need one compute stream per ubatch ({self.num_ubatches}), got {len(compute_streams)}")
         with torch.cuda.device(self.device):
             self.compute_streams = list(compute_streams or [torch.cuda.Stream() for _ in range(self.num_ubatches)])
             self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
@@ -388,7 +395,9 @@ class UBatchScheduler:
     def _leave(self, state: UBatchState) -> None:
         state.grad_enabled = torch.is_grad_enabled()
         if self.trace:
-            self.trace.add(state.ubatch_id, "compute", "compute", state.segment_start, self.trace.mark(state.compute_stream))
+            self.trace.add(
+                state.ubatch_id, "compute", "compute", state.segment_start, self.trace.mark(state.compute_stream)
+            )
         if state.compute_stream is not None:
             state.handoff_event.record(state.compute_stream)
 
@@ -418,8 +427,11 @@ class UBatchScheduler:
                     logger.warning("ubatch %d also failed while aborting: %r", i, value)
                 return
         else:
-            logger.warning("ubatch %d kept running after %d aborts (does it catch BaseException?); "
-                           "its worker is discarded", i, ABORT_ATTEMPTS)
+            logger.warning(
+                "ubatch %d kept running after %d aborts (does it catch BaseException?); its worker is discarded",
+                i,
+                ABORT_ATTEMPTS,
+            )
         state.discarded = True
         pool.workers[i] = _start_worker()  # the worker first: a fresh state must never meet the old one
         pool.states[i] = self._make_state(i)

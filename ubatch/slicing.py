@@ -41,8 +41,9 @@ class UBatchSlice:
                 raise ValueError(f"UBatchSlice.{name}={value} has step {value.step}: ubatches are contiguous")
             bounds_are_ints = all(isinstance(b, int) and not isinstance(b, bool) for b in (value.start, value.stop))
             if not bounds_are_ints or not 0 <= value.start <= value.stop:
-                raise ValueError(f"UBatchSlice.{name} must be slice(start, stop) with ints 0 <= start <= stop, "
-                                 f"got {value}")
+                raise ValueError(
+                    f"UBatchSlice.{name} must be slice(start, stop) with ints 0 <= start <= stop, got {value}"
+                )
 
     @property
     def num_tokens(self) -> int:
@@ -68,8 +69,10 @@ def _validate_counts(num_scheduled_tokens: Iterable[int]) -> list[int]:
     if isinstance(num_scheduled_tokens, torch.Tensor) and num_scheduled_tokens.dim() == 1:
         num_scheduled_tokens = num_scheduled_tokens.tolist()
     if isinstance(num_scheduled_tokens, (str, bytes, torch.Tensor)) or not isinstance(num_scheduled_tokens, Iterable):
-        raise TypeError(f"num_scheduled_tokens must be a sequence of ints (tokens per request), "
-                        f"got {type(num_scheduled_tokens).__name__}")
+        raise TypeError(
+            f"num_scheduled_tokens must be a sequence of ints (tokens per request), "
+            f"got {type(num_scheduled_tokens).__name__}"
+        )
     counts = [_as_int(n, f"num_scheduled_tokens[{r}]") for r, n in enumerate(num_scheduled_tokens)]
     if not counts or any(n < 1 for n in counts):
         raise ValueError(f"num_scheduled_tokens must list >= 1 token per request, got {counts}")
@@ -99,9 +102,7 @@ def split_batch(
         raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {num_real} scheduled tokens")
     if align_to_requests:
         if num_ubatches > len(counts):
-            raise ValueError(
-                f"cannot split {len(counts)} requests into {num_ubatches} request-aligned ubatches"
-            )
+            raise ValueError(f"cannot split {len(counts)} requests into {num_ubatches} request-aligned ubatches")
         points = _request_aligned_points(starts, total, num_ubatches)
     else:
         points = [k * total // num_ubatches for k in range(num_ubatches + 1)]
@@ -190,8 +191,9 @@ def slices_total(slices: Sequence[UBatchSlice]) -> int:
 def check_slices(slices: Sequence[UBatchSlice]) -> None:
     """Raise ValueError unless the slices are contiguous, in order and non-empty."""
     if isinstance(slices, (str, bytes)) or not isinstance(slices, Sequence):
-        raise TypeError(f"ubatch_slices must be a sequence of UBatchSlice (see split_batch), "
-                        f"got {type(slices).__name__}")
+        raise TypeError(
+            f"ubatch_slices must be a sequence of UBatchSlice (see split_batch), got {type(slices).__name__}"
+        )
     expected = 0
     for i, s in enumerate(slices):
         if not isinstance(s, UBatchSlice):

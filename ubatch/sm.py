@@ -99,7 +99,9 @@ class _GreenContexts:
         granularity = (getattr(resource.sm, "minSmPartitionSize", 0), getattr(resource.sm, "smCoscheduledAlignment", 0))
         want = round_comm_sms(comm_sms, *granularity)
         if want >= self.total_sms:
-            raise GreenContextError(f"comm_sms={comm_sms} rounds to {want}, leaving no SM of {self.total_sms} for compute")
+            raise GreenContextError(
+                f"comm_sms={comm_sms} rounds to {want}, leaving no SM of {self.total_sms} for compute"
+            )
         groups, count, remainder = _checked(
             driver, driver.cuDevSmResourceSplitByCount(1, resource, 0, want), "cuDevSmResourceSplitByCount"
         )
@@ -166,7 +168,9 @@ class SMPartition:
         base = DEFAULT_COMM_SMS if comm_sms is None else _validated_sms("comm_sms", comm_sms, total)
         self._phase_sms = {
             None: base,
-            "prefill": base if prefill_comm_sms is None else _validated_sms("prefill_comm_sms", prefill_comm_sms, total),
+            "prefill": base
+            if prefill_comm_sms is None
+            else _validated_sms("prefill_comm_sms", prefill_comm_sms, total),
             "decode": base if decode_comm_sms is None else _validated_sms("decode_comm_sms", decode_comm_sms, total),
         }
         self.total_sms = total
@@ -206,7 +210,9 @@ class SMPartition:
         if self._effective == "green":
             green = self._green[sms]
             try:
-                return [green.stream(green.compute_context) for _ in range(num_ubatches)], green.stream(green.comm_context)
+                return [green.stream(green.compute_context) for _ in range(num_ubatches)], green.stream(
+                    green.comm_context
+                )
             except RuntimeError as exc:  # GreenContextError included
                 self._degrade(f"creating green-context streams failed: {exc}")
         with torch.cuda.device(self.device):
@@ -301,7 +307,8 @@ class SMPartition:
         if threshold < 1.1:
             logger.info(
                 "SMPartition self-check inconclusive: %d vs %d SMs are too close to tell apart",
-                green.compute_sms, green.comm_sms,
+                green.compute_sms,
+                green.comm_sms,
             )
             return True
         try:
@@ -310,8 +317,14 @@ class SMPartition:
             self._degrade(f"self-check failed to run: {exc}")
             return False
         logger.info(
-            "SMPartition self-check: GEMM %.2f ms on %d SMs, %.2f ms on %d SMs (%.2f ms in graph replay); need >= %.2fx",
-            fast, green.compute_sms, slow, green.comm_sms, graphed, threshold,
+            "SMPartition self-check: GEMM %.2f ms on %d SMs, %.2f ms on %d SMs (%.2f ms in graph replay); "
+            "need >= %.2fx",
+            fast,
+            green.compute_sms,
+            slow,
+            green.comm_sms,
+            graphed,
+            threshold,
         )
         if slow < threshold * fast or graphed < threshold * fast:
             self._degrade(
@@ -363,7 +376,10 @@ class SMPartition:
                 self._green[sms] = green
                 logger.info(
                     "SMPartition green: %d compute SMs, %d comm SMs (requested %d of %d)",
-                    green.compute_sms, green.comm_sms, sms, green.total_sms,
+                    green.compute_sms,
+                    green.comm_sms,
+                    sms,
+                    green.total_sms,
                 )
         except (RuntimeError, AttributeError) as exc:  # AttributeError: bindings older than the API
             self._degrade(f"green contexts: {exc}")

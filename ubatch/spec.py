@@ -91,27 +91,46 @@ class DraftModel:
     its cache to the layers only around its own forwards.
     """
 
-    def __init__(self, model: Decoder, *, num_kv_blocks: int, block_size: int,
-                 capture_sizes: Sequence[int] | None = None, max_blocks_per_req: int | None = None,
-                 catch_up_width: int | None = None, graph_backend: Any = None) -> None:
-        if catch_up_width is not None and (isinstance(catch_up_width, bool) or not isinstance(catch_up_width, int)
-                                           or catch_up_width < 2):
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        capture_sizes: Sequence[int] | None = None,
+        max_blocks_per_req: int | None = None,
+        catch_up_width: int | None = None,
+        graph_backend: Any = None,
+    ) -> None:
+        if catch_up_width is not None and (
+            isinstance(catch_up_width, bool) or not isinstance(catch_up_width, int) or catch_up_width < 2
+        ):
             raise ValueError(f"catch_up_width must be an integer >= 2 (k + 1), got {catch_up_width!r}")
         self.model = model
         self.block_size = block_size
         self.catch_up_width = catch_up_width
-        self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
-                                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                                     dtype=model.config.dtype, device=model.device)
+        self.kv_cache = PagedKVCache(
+            model.layer_names,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.config.dtype,
+            device=model.device,
+        )
         self._computed: dict[int, int] = {}
         self.graphs: GraphedModel | None = None
         if capture_sizes:
             if max_blocks_per_req is None:
                 raise ValueError("a drafter with capture_sizes needs max_blocks_per_req")
             widths = (1,) if catch_up_width is None else (1, catch_up_width)
-            self.graphs = GraphedModel(model, capture_sizes=sizes_with_multiples(capture_sizes, widths),
-                                       max_blocks_per_req=max_blocks_per_req,
-                                       uniform_token_count=widths, graph_backend=graph_backend)
+            self.graphs = GraphedModel(
+                model,
+                capture_sizes=sizes_with_multiples(capture_sizes, widths),
+                max_blocks_per_req=max_blocks_per_req,
+                uniform_token_count=widths,
+                graph_backend=graph_backend,
+            )
 
     def capture_graphs(self) -> None:
         """Capture the drafter's graphs (into its own pool), with its cache bound."""
@@ -171,23 +190,26 @@ class DraftModel:
                 raise ValueError(f"request {r.request_id}: num_drafts must be >= 1, got {r.num_drafts}")
         starts = [min(self.num_computed(r.request_id), len(r.token_ids) - 1) for r in requests]
         w = self.catch_up_width
-        if w is not None and all(w <= len(r.token_ids) and len(r.token_ids) - start <= w
-                                 for r, start in zip(requests, starts)):
+        if w is not None and all(
+            w <= len(r.token_ids) and len(r.token_ids) - start <= w for r, start in zip(requests, starts)
+        ):
             starts = [len(r.token_ids) - w for r in requests]
         token_ids = [t for r, start in zip(requests, starts) for t in r.token_ids[start:]]
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
         chunks = [(r, start, len(r.token_ids) - start) for r, start in zip(requests, starts)]
         return self._forward(chunks, ids, skip_attention=skip_attention)
 
-    def draft_step(self, requests: Sequence[DraftRequest], last_drafts: torch.Tensor, step: int, *,
-                   skip_attention: bool = False) -> torch.Tensor:
+    def draft_step(
+        self, requests: Sequence[DraftRequest], last_drafts: torch.Tensor, step: int, *, skip_attention: bool = False
+    ) -> torch.Tensor:
         """The next draft of each request once ``step`` drafts exist: feed the last one
         (``last_drafts``, on the device), one token each, at its position."""
         chunks = [(r, len(r.token_ids) + step - 1, 1) for r in requests]
         return self._forward(chunks, last_drafts, skip_attention=skip_attention)
 
-    def _forward(self, chunks: list[tuple[DraftRequest, int, int]], input_ids: torch.Tensor, *,
-                 skip_attention: bool = False) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[tuple[DraftRequest, int, int]], input_ids: torch.Tensor, *, skip_attention: bool = False
+    ) -> torch.Tensor:
         """Run ``(request, start position, number of tokens)`` chunks, whose tokens are
         ``input_ids``, as one batch; the argmax at each chunk's last token, on the device."""
         bs, device = self.block_size, self.model.device
@@ -198,11 +220,11 @@ class DraftModel:
             slots += (request.blocks[p // bs] * bs + p % bs for p in range(start, stop))
             last.append(len(positions) - 1)
         width = max(len(r.blocks) for r, _, _ in chunks)
-        table = torch.tensor([list(r.blocks) + [0] * (width - len(r.blocks)) for r, _, _ in chunks],
-                             dtype=torch.int32)
+        table = torch.tensor([list(r.blocks) + [0] * (width - len(r.blocks)) for r, _, _ in chunks], dtype=torch.int32)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        metadata = build_attention_metadata([n for _, _, n in chunks], [s + n for _, s, n in chunks],
-                                            table, slot_mapping, device=device)
+        metadata = build_attention_metadata(
+            [n for _, _, n in chunks], [s + n for _, s, n in chunks], table, slot_mapping, device=device
+        )
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         with torch.inference_mode(), self._bound_cache():
             hidden = self._run(input_ids, pos, metadata, skip_attention=skip_attention)
@@ -211,8 +233,9 @@ class DraftModel:
         self._clear_overflow()
         return tokens
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *,
-             skip_attention: bool = False) -> torch.Tensor:
+    def _run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any, *, skip_attention: bool = False
+    ) -> torch.Tensor:
         """The draft model's hidden states: a replayed graph where one fits, else eager. A
         forward asked to skip attention (a caller's warm-up or capture) never replays."""
         graph = None
@@ -221,9 +244,12 @@ class DraftModel:
         if graph is not None:
             return self.graphs.replay(graph, input_ids, positions, metadata)
         names = self.model.layer_names
-        with set_forward_context({name: metadata for name in names},
-                                 slot_mapping={name: metadata.slot_mapping for name in names},
-                                 no_compile_layers=self.model.attention_layers, skip_attention=skip_attention):
+        with set_forward_context(
+            {name: metadata for name in names},
+            slot_mapping={name: metadata.slot_mapping for name in names},
+            no_compile_layers=self.model.attention_layers,
+            skip_attention=skip_attention,
+        ):
             return self.model(input_ids, positions)
 
     def _clear_overflow(self) -> None:

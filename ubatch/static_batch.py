@@ -40,9 +40,11 @@ class StaticUniformBatch:
         self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         self.metadata = build_attention_metadata(
-            [u] * num_reqs, [u] * num_reqs,
+            [u] * num_reqs,
+            [u] * num_reqs,
             torch.zeros(num_reqs, max_blocks_per_req, dtype=torch.int32, device=device),
-            torch.full((num_tokens,), -1, dtype=torch.int64, device=device), device=device,
+            torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            device=device,
         )
         self.slices: list[UBatchSlice] | None = None
         self.ubatch_metadata: list[AttentionMetadata] = []
@@ -76,11 +78,15 @@ class StaticUniformBatch:
         u = self.desc.uniform_token_count
         num_reqs, num_tokens = metadata.num_reqs, metadata.num_actual_tokens
         if metadata.max_query_len != u or num_tokens != num_reqs * u:
-            raise ValueError(f"batch is not uniform with {u} tokens per request (max {metadata.max_query_len}, "
-                             f"{num_tokens} tokens for {num_reqs} requests)")
+            raise ValueError(
+                f"batch is not uniform with {u} tokens per request (max {metadata.max_query_len}, "
+                f"{num_tokens} tokens for {num_reqs} requests)"
+            )
         if num_reqs > self.desc.num_reqs or metadata.block_table.shape[1] > self.metadata.block_table.shape[1]:
-            raise ValueError(f"batch of {num_reqs} requests x {metadata.block_table.shape[1]} blocks does not fit "
-                             f"{self.desc.num_reqs} x {self.metadata.block_table.shape[1]}")
+            raise ValueError(
+                f"batch of {num_reqs} requests x {metadata.block_table.shape[1]} blocks does not fit "
+                f"{self.desc.num_reqs} x {self.metadata.block_table.shape[1]}"
+            )
         static = self.metadata
         self.input_ids[:num_tokens].copy_(input_ids[:num_tokens])
         self.input_ids[num_tokens:].zero_()

@@ -39,7 +39,11 @@ def destroy_process_groups_or_warn() -> None:
     """``destroy_process_groups``, logging a warning that names any group still referenced."""
     survivors = destroy_process_groups()
     if survivors:
-        logger.warning("%d process group(s) outlived destroy_process_group (something still references %s): "
-                       "gloo may abort this process at exit (pytorch/pytorch#190489); if the default group is "
-                       "among them, was torch.distributed.nn (or torch.profiler) first imported after "
-                       "init_process_group? ubatch.teardown.import_before_init", len(survivors), survivors)
+        logger.warning(
+            "%d process group(s) outlived destroy_process_group (something still references %s): "
+            "gloo may abort this process at exit (pytorch/pytorch#190489); if the default group is "
+            "among them, was torch.distributed.nn (or torch.profiler) first imported after "
+            "init_process_group? ubatch.teardown.import_before_init",
+            len(survivors),
+            survivors,
+        )

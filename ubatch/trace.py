@@ -86,6 +86,8 @@ def hidden_comm_fraction(intervals: list[Interval]) -> float | None:
         return None
     hidden = 0.0
     for c in comm:
-        others = _union([(i.start_ms, i.end_ms) for i in intervals if i.kind == "compute" and i.ubatch_id != c.ubatch_id])
+        others = _union(
+            [(i.start_ms, i.end_ms) for i in intervals if i.kind == "compute" and i.ubatch_id != c.ubatch_id]
+        )
         hidden += sum(max(0.0, min(c.end_ms, e) - max(c.start_ms, s)) for s, e in others)
     return hidden / total

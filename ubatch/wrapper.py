@@ -146,9 +146,7 @@ class UBatchWrapper(torch.nn.Module):
         if scheduler is not None and not isinstance(scheduler, UBatchScheduler):
             raise TypeError(f"scheduler must be a UBatchScheduler, got {type(scheduler).__name__}")
         if scheduler is not None and scheduler.num_ubatches < num_ubatches:
-            raise ValueError(
-                f"the scheduler runs {scheduler.num_ubatches} ubatches but num_ubatches={num_ubatches}"
-            )
+            raise ValueError(f"the scheduler runs {scheduler.num_ubatches} ubatches but num_ubatches={num_ubatches}")
         if scheduler is not None and sm_partition is not None:
             raise ValueError("pass either a scheduler or an sm_partition (which builds the scheduler's streams)")
         self._arguments = ArgumentSplitter(runnable, batched, shared)
@@ -160,13 +158,20 @@ class UBatchWrapper(torch.nn.Module):
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
     @staticmethod
-    def _make_scheduler(num_ubatches: int, device: Any, timeout_s: float,
-                        sm_partition: SMPartition | None) -> UBatchScheduler:
+    def _make_scheduler(
+        num_ubatches: int, device: Any, timeout_s: float, sm_partition: SMPartition | None
+    ) -> UBatchScheduler:
         if sm_partition is None:
             return UBatchScheduler(num_ubatches, device, timeout_s=timeout_s)
         compute_streams, comm_stream = sm_partition.make_streams(num_ubatches)
-        return UBatchScheduler(num_ubatches, device, timeout_s=timeout_s, compute_streams=compute_streams,
-                               comm_stream=comm_stream, comm_group=sm_partition.comm_group)
+        return UBatchScheduler(
+            num_ubatches,
+            device,
+            timeout_s=timeout_s,
+            compute_streams=compute_streams,
+            comm_stream=comm_stream,
+            comm_group=sm_partition.comm_group,
+        )
 
     def unwrap(self) -> Callable[..., Any]:
         return self.module
@@ -243,7 +248,7 @@ def _drop_module_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str,
     ``<prefix>x`` (in order: the wrapper's keys are the last ones saved when this runs)."""
     inner = prefix + _PREFIX
     keys = [k for k in state_dict if k.startswith(inner)]
-    state_dict.update({prefix + k[len(inner):]: state_dict.pop(k) for k in keys})
+    state_dict.update({prefix + k[len(inner) :]: state_dict.pop(k) for k in keys})
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # per-module versions, keyed by module path
         relative = {path: _relative(path, inner[:-1]) for path in metadata}
@@ -251,14 +256,22 @@ def _drop_module_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str,
         metadata.update(moved)
 
 
-def _add_module_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
-                       strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+def _add_module_prefix(
+    wrapper: torch.nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
     """``load_state_dict()`` takes the wrapped module's own keys: ``<prefix>x`` loads into
     ``<prefix>module.x``. (Module versions follow only when the wrapper is the root: torch
     hands a submodule's hook no view of them.)"""
     inner = prefix + _PREFIX
     keys = [k for k in state_dict if k.startswith(prefix)]
-    state_dict.update({inner + k[len(prefix):]: state_dict.pop(k) for k in keys})
+    state_dict.update({inner + k[len(prefix) :]: state_dict.pop(k) for k in keys})
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         relative = {path: _relative(path, prefix[:-1]) for path in metadata}
@@ -273,7 +286,7 @@ def _relative(path: str, base: str) -> str | None:
         return path
     if path == base:
         return ""
-    return path[len(base) + 1:] if path.startswith(base + ".") else None
+    return path[len(base) + 1 :] if path.startswith(base + ".") else None
 
 
 def _join(base: str, rest: str) -> str:

@@ -68,8 +68,15 @@ class TorchBackend:
             return varlen_flash_attention(q, kv_cache, metadata, scale)
         num_reqs, query_len = metadata.num_reqs, metadata.max_query_len
         if query_len * num_reqs == metadata.num_actual_tokens:
-            return _attend_run(q[: num_reqs * query_len], kv_cache, metadata.block_table, metadata.seq_lens,
-                               query_len, metadata.causal, scale)
+            return _attend_run(
+                q[: num_reqs * query_len],
+                kv_cache,
+                metadata.block_table,
+                metadata.seq_lens,
+                query_len,
+                metadata.causal,
+                scale,
+            )
         return self._by_runs(q, kv_cache, metadata, scale)
 
     def _by_runs(
@@ -85,8 +92,14 @@ class TorchBackend:
                 continue
             num_blocks = -(-max(seq_lens[first:last]) // block_size)
             out[q_start:q_end] = _attend_run(
-                q[q_start:q_end], kv_cache, metadata.block_table[first:last, :num_blocks],
-                metadata.seq_lens[first:last], (q_end - q_start) // (last - first), metadata.causal, scale)
+                q[q_start:q_end],
+                kv_cache,
+                metadata.block_table[first:last, :num_blocks],
+                metadata.seq_lens[first:last],
+                (q_end - q_start) // (last - first),
+                metadata.causal,
+                scale,
+            )
         return out
 
 
@@ -103,16 +116,22 @@ def _equal_query_runs(query_start_loc: list[int]) -> list[tuple[int, int]]:
 
 
 def _attend_run(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    query_len: int, causal: bool, scale: float,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_len: int,
+    causal: bool,
+    scale: float,
 ) -> torch.Tensor:
     """One SDPA over ``R`` requests of ``query_len`` tokens each (``q [R * query_len, H, D]``),
     keys gathered through ``block_table [R, blocks]`` and masked past each request's
     ``seq_lens`` entry (and causally, bottom-right aligned)."""
     num_reqs = block_table.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    k, v = (kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2)
-            for i in (0, 1))  # [R, L, KVH, D]; a row gather, 20% faster than advanced indexing on CPU
+    k, v = (
+        kv_cache[i].index_select(0, block_table.flatten()).unflatten(0, block_table.shape).flatten(1, 2) for i in (0, 1)
+    )  # [R, L, KVH, D]; a row gather, 20% faster than advanced indexing on CPU
     key_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
     if causal:
         offsets = torch.arange(query_len, device=q.device) - query_len
@@ -121,7 +140,11 @@ def _attend_run(
         mask = (key_pos < seq_lens.view(-1, 1, 1)).expand(-1, query_len, -1)
     qr = q.view(num_reqs, query_len, num_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        qr.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale,
+        qr.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1),
+        scale=scale,
         enable_gqa=num_heads != k.shape[2],
     )
     return o.transpose(1, 2).reshape(num_reqs * query_len, num_heads, head_dim)

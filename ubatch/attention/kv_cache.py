@@ -37,17 +37,13 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        self._tensors = {
-            name: torch.zeros(shape, dtype=dtype, device=device) for name in layer_names
-        }
+        self._tensors = {name: torch.zeros(shape, dtype=dtype, device=device) for name in layer_names}
 
     def __getitem__(self, layer_name: str) -> torch.Tensor:
         try:
             return self._tensors[layer_name]
         except KeyError:
-            raise KeyError(
-                f"no KV cache for layer {layer_name!r}; layers: {sorted(self._tensors)}"
-            ) from None
+            raise KeyError(f"no KV cache for layer {layer_name!r}; layers: {sorted(self._tensors)}") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -56,9 +52,7 @@ class PagedKVCache:
         return len(self._tensors)
 
 
-def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``, skipping
     rows whose slot is negative (padding), without a host sync so it can be graph-captured.
 
@@ -70,8 +64,7 @@ def write_kv(
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
-            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(kv_cache.shape)}"
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}"
         )
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     row_shape = tuple(kv_cache.shape[3:])
@@ -96,9 +89,7 @@ def write_kv(
     safe_slots = torch.where(valid, slots, target)
     mask = valid.view(-1, 1, 1)
     for flat, new in ((k_flat, k[:num_rows]), (v_flat, v[:num_rows])):
-        filler = torch.where(
-            any_valid.view(1, 1, 1), new.index_select(0, first), flat.index_select(0, target)
-        )
+        filler = torch.where(any_valid.view(1, 1, 1), new.index_select(0, first), flat.index_select(0, target))
         flat.index_copy_(0, safe_slots, torch.where(mask, new, filler))
 
 
@@ -122,8 +113,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             raise RuntimeError(
-                f"KV cache exhausted: asked for {n} blocks but only {len(self._free)} of "
-                f"{self.num_blocks} are free"
+                f"KV cache exhausted: asked for {n} blocks but only {len(self._free)} of {self.num_blocks} are free"
             )
         blocks = [self._free.pop() for _ in range(n)]
         self._free_set.difference_update(blocks)

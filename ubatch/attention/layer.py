@@ -32,8 +32,7 @@ def _lookup(per_layer: Any, layer_name: str, field: str, *, required: bool) -> A
         )
     if required and layer_name not in per_layer:
         raise RuntimeError(
-            f"forward context {field} has no entry for attention layer {layer_name!r}; "
-            f"it has: {sorted(per_layer)}"
+            f"forward context {field} has no entry for attention layer {layer_name!r}; it has: {sorted(per_layer)}"
         )
     return per_layer.get(layer_name)
 
@@ -94,8 +93,7 @@ class Attention(nn.Module):
             )
         if num_heads % num_kv_heads != 0:
             raise ValueError(
-                f"attention layer {layer_name!r}: num_heads={num_heads} is not divisible by "
-                f"num_kv_heads={num_kv_heads}"
+                f"attention layer {layer_name!r}: num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
             )
         if isinstance(backend, str) and backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {backend!r}; valid: {list(BACKEND_NAMES)}")

@@ -62,18 +62,13 @@ def build_attention_metadata(
     query_lens = [int(n) for n in query_lens]
     seq_lens = [int(n) for n in seq_lens]
     if len(query_lens) != len(seq_lens):
-        raise ValueError(
-            f"query_lens has {len(query_lens)} requests but seq_lens has {len(seq_lens)}"
-        )
+        raise ValueError(f"query_lens has {len(query_lens)} requests but seq_lens has {len(seq_lens)}")
     for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
         if q < 0 or s < q:
-            raise ValueError(
-                f"request {r}: need 0 <= query_len <= seq_len, got query_len={q}, seq_len={s}"
-            )
+            raise ValueError(f"request {r}: need 0 <= query_len <= seq_len, got query_len={q}, seq_len={s}")
     if block_table.dim() != 2 or block_table.shape[0] != len(seq_lens):
         raise ValueError(
-            f"block_table must be [num_reqs={len(seq_lens)}, max_blocks], "
-            f"got shape {tuple(block_table.shape)}"
+            f"block_table must be [num_reqs={len(seq_lens)}, max_blocks], got shape {tuple(block_table.shape)}"
         )
     if block_table.device.type == "cpu" and block_table.numel() and int(block_table.min()) < 0:
         raise ValueError(

@@ -55,7 +55,7 @@ def _flash_op() -> Any:
 _FLASH_FORWARD = _flash_op()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm80_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
@@ -66,12 +66,19 @@ def _capturing(device: torch.device) -> bool:
 
 def builtin_flash_supports(q: torch.Tensor) -> bool:
     """Whether ``varlen_flash_attention`` can run on queries like ``q [T, H, D]``."""
-    return (_FLASH_FORWARD is not None and q.is_cuda and q.dtype in _FLASH_DTYPES
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _sm80_or_newer(q.device.index))
+    return (
+        _FLASH_FORWARD is not None
+        and q.is_cuda
+        and q.dtype in _FLASH_DTYPES
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and _sm80_or_newer(q.device.index)
+    )
 
 
-def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
+def varlen_flash_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """``[num_actual_tokens, H, D]``: every request's queries over its own ``seq_lens`` keys."""
     table, block_size = metadata.block_table, kv_cache.shape[2]
     num_reqs, width = table.shape
@@ -80,10 +87,33 @@ def varlen_flash_attention(q: torch.Tensor, kv_cache: torch.Tensor, metadata: At
         slot_len = width * block_size
         cum_seq_k = torch.arange(0, (num_reqs + 1) * slot_len, slot_len, dtype=torch.int32, device=table.device)
         max_q = metadata.max_query_len if uniform else _max_query_len(metadata.query_lens())
-        return _attend(q[: metadata.num_actual_tokens], kv_cache, table.flatten(), metadata.query_start_loc,
-                       cum_seq_k, max_q, slot_len, metadata.seq_lens, metadata.causal, scale)
-    parts = [_attend(q[p.tokens], kv_cache, p.blocks, p.cum_seq_q, p.cum_seq_k, p.max_q, p.max_k, p.seq_lens,
-                     metadata.causal, scale) for p in _step_plan(metadata, block_size)]
+        return _attend(
+            q[: metadata.num_actual_tokens],
+            kv_cache,
+            table.flatten(),
+            metadata.query_start_loc,
+            cum_seq_k,
+            max_q,
+            slot_len,
+            metadata.seq_lens,
+            metadata.causal,
+            scale,
+        )
+    parts = [
+        _attend(
+            q[p.tokens],
+            kv_cache,
+            p.blocks,
+            p.cum_seq_q,
+            p.cum_seq_k,
+            p.max_q,
+            p.max_k,
+            p.seq_lens,
+            metadata.causal,
+            scale,
+        )
+        for p in _step_plan(metadata, block_size)
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -113,10 +143,20 @@ def varlen_plan(metadata: AttentionMetadata, block_size: int) -> tuple[VarlenPar
         if q_start == q_end:
             continue
         seq_lens = metadata.seq_lens[first:last]
-        blocks, cum_seq_k, max_k = packed_slots(table[first:last], seq_lens, metadata.seq_lens_cpu[first:last],
-                                                block_size)
-        parts.append(VarlenPart(slice(q_start, q_end), blocks, metadata.query_start_loc[first:last + 1] - q_start,
-                                cum_seq_k, _max_query_len(lengths[first:last]), max_k, seq_lens))
+        blocks, cum_seq_k, max_k = packed_slots(
+            table[first:last], seq_lens, metadata.seq_lens_cpu[first:last], block_size
+        )
+        parts.append(
+            VarlenPart(
+                slice(q_start, q_end),
+                blocks,
+                metadata.query_start_loc[first : last + 1] - q_start,
+                cum_seq_k,
+                _max_query_len(lengths[first:last]),
+                max_k,
+                seq_lens,
+            )
+        )
     return tuple(parts)
 
 
@@ -142,12 +182,22 @@ def _max_query_len(lengths: list[int]) -> int:
     return 2 if longest == 1 and min(lengths) == 0 else longest
 
 
-def _attend(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, cum_seq_q: torch.Tensor,
-            cum_seq_k: torch.Tensor, max_q: int, max_k: int, seq_lens: torch.Tensor, causal: bool,
-            scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    cum_seq_q: torch.Tensor,
+    cum_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seq_lens: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
     k, v = (kv_cache[i].index_select(0, blocks).flatten(0, 1) for i in (0, 1))  # [slots' tokens, KVH, D]
-    return _FLASH_FORWARD(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, causal, False, scale=scale,
-                          seqused_k=seq_lens)[0]
+    return _FLASH_FORWARD(
+        q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=seq_lens
+    )[0]
 
 
 def decode_ends(query_lens: list[int]) -> list[tuple[int, int]]:
@@ -158,8 +208,9 @@ def decode_ends(query_lens: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((0, head), (head, tail), (tail, len(query_lens))) if a < b]
 
 
-def packed_slots(table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def packed_slots(
+    table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(the block ids to gather, each request's own blocks in order; ``cum_seq_k``, the int32 token
     offsets of the slots; the longest slot). The layout is computed on the device from
     ``seq_lens``; the host copy gives only the totals that size it."""

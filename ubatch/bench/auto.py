@@ -9,28 +9,46 @@ from typing import Any
 from ubatch.bench.measure import Measurement
 from ubatch.policy import SplitPolicy, calibrate_from_samples
 
-GRAPH_POLICY_NOTE = ("graph replays: the policy picks the ubatch count whose graph replayed faster in a "
-                     "short timing right after capture (capture_time_ms), separate from the measured figures")
+GRAPH_POLICY_NOTE = (
+    "graph replays: the policy picks the ubatch count whose graph replayed faster in a "
+    "short timing right after capture (capture_time_ms), separate from the measured figures"
+)
 
 
-def auto_policy_report(results: Sequence[dict[str, Any]], measure_at: Callable[[int, int], Measurement], *,
-                       tokens: Sequence[int], num_ubatches: Sequence[int], calibrate_tokens: Sequence[int],
-                       stages: int, graphs: bool) -> dict[str, Any]:
+def auto_policy_report(
+    results: Sequence[dict[str, Any]],
+    measure_at: Callable[[int, int], Measurement],
+    *,
+    tokens: Sequence[int],
+    num_ubatches: Sequence[int],
+    calibrate_tokens: Sequence[int],
+    stages: int,
+    graphs: bool,
+) -> dict[str, Any]:
     """Calibrate on ``calibrate_tokens`` (``measure_at(tokens, 2)``), then compare the policy's
     pick with the best measured configuration at every sweep point; ``stages`` collectives per
     step (two per layer: dispatch and combine, or two all-reduces). For graph replays the eager
     cost model does not apply (no host launch cost): see ``GRAPH_POLICY_NOTE``."""
     if graphs:
-        return {"note": GRAPH_POLICY_NOTE,
-                "points": [policy_point(results, t, fastest_at_capture(results, t)) for t in tokens]}
+        return {
+            "note": GRAPH_POLICY_NOTE,
+            "points": [policy_point(results, t, fastest_at_capture(results, t)) for t in tokens],
+        }
     calibration = {t: measure_at(t, 2).calibration_sample() for t in calibrate_tokens}
     costs = calibrate_from_samples(calibration, stages=stages)
     policy = SplitPolicy(costs, candidates=[1, *num_ubatches])
-    return {"calibration": {str(t): sample for t, sample in calibration.items()},
-            "costs": {"compute_ms_per_token": costs.compute_ms_per_token, "comm_ms": vars(costs.comm_ms),
-                      "host_ms": costs.host_ms, "ubatch_host_ms": costs.ubatch_host_ms,
-                      "split_stretch": costs.split_stretch, "stages": costs.stages},
-            "points": [policy_point(results, t, policy.decide(t)) for t in tokens]}
+    return {
+        "calibration": {str(t): sample for t, sample in calibration.items()},
+        "costs": {
+            "compute_ms_per_token": costs.compute_ms_per_token,
+            "comm_ms": vars(costs.comm_ms),
+            "host_ms": costs.host_ms,
+            "ubatch_host_ms": costs.ubatch_host_ms,
+            "split_stretch": costs.split_stretch,
+            "stages": costs.stages,
+        },
+        "points": [policy_point(results, t, policy.decide(t)) for t in tokens],
+    }
 
 
 def fastest_at_capture(results: Sequence[dict[str, Any]], tokens: int) -> int:

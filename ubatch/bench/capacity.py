@@ -35,7 +35,9 @@ def _dropped_share(counters: list[torch.Tensor], run: Callable[[], Any], assignm
     return float(dropped / total)
 
 
-def dropped_fractions(model: Any, step: Step, num_ubatches: int, *, sm_partition: Any = None) -> dict[str, float] | None:
+def dropped_fractions(
+    model: Any, step: Step, num_ubatches: int, *, sm_partition: Any = None
+) -> dict[str, float] | None:
     """{"unsplit": share, "ubatched": share} of the step's assignments dropped for lack of
     capacity, or None for a model without a finite capacity (nothing can be dropped)."""
     config = model.config
@@ -45,5 +47,7 @@ def dropped_fractions(model: Any, step: Step, num_ubatches: int, *, sm_partition
     runs = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
     assignments = step.num_tokens * config.top_k * len(counters)
     with torch.inference_mode():
-        return {"unsplit": _dropped_share(counters, runs.baseline, assignments),
-                "ubatched": _dropped_share(counters, runs.ubatched, assignments)}
+        return {
+            "unsplit": _dropped_share(counters, runs.baseline, assignments),
+            "ubatched": _dropped_share(counters, runs.ubatched, assignments),
+        }

@@ -57,62 +57,116 @@ def _drafter_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ubatch-bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["moe", "dense"], default="moe")
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)",
+    )
     add_model_overrides(p)
-    p.add_argument("--workload", choices=["prefill", "decode", "mixed", "generate"], default="prefill",
-                   help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks; "
-                        "generate: tokens/s of whole generations, plain and speculative (one process)")
+    p.add_argument(
+        "--workload",
+        choices=["prefill", "decode", "mixed", "generate"],
+        default="prefill",
+        help="mixed: a quarter of the tokens are decodes (1 each), the rest prefill chunks; "
+        "generate: tokens/s of whole generations, plain and speculative (one process)",
+    )
     p.add_argument("--tokens", type=int_list, help="tokens per rank per step, e.g. 256,1024 (default 512; quick: 256)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="prefill: tokens per request")
     p.add_argument("--context-len", type=non_negative_int, default=512, help="decode: cached tokens per request")
-    p.add_argument("--num-ubatches", type=int_list, help="ubatch counts to try, e.g. 2,3,4 (default 2; "
-                   "generate: 1, and only the first count is used)")
+    p.add_argument(
+        "--num-ubatches",
+        type=int_list,
+        help="ubatch counts to try, e.g. 2,3,4 (default 2; generate: 1, and only the first count is used)",
+    )
     p.add_argument("--requests", type=positive_int, help="generate: requests per generation (default 32; quick: 4)")
-    p.add_argument("--max-new-tokens", type=positive_int,
-                   help="generate: tokens generated per request (default 64; quick: 8)")
-    p.add_argument("--spec-k", type=int_list, help="generate: speculative tokens per step to try (default 2,4; "
-                   "quick: 2)")
-    p.add_argument("--drafter", type=_drafter_list, default=list(DRAFTERS),
-                   help=f"generate: drafters to try ({', '.join(DRAFTERS)})")
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, help="generate: tokens generated per request (default 64; quick: 8)"
+    )
+    p.add_argument(
+        "--spec-k", type=int_list, help="generate: speculative tokens per step to try (default 2,4; quick: 2)"
+    )
+    p.add_argument(
+        "--drafter",
+        type=_drafter_list,
+        default=list(DRAFTERS),
+        help=f"generate: drafters to try ({', '.join(DRAFTERS)})",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--nproc", type=positive_int,
-                   help=f"ranks to start on this host, gloo on CPU, NCCL with a GPU each on CUDA (default "
-                        f"{QUICK_RANKS} with --quick on CPU, else 1); under torchrun its ranks are used")
-    p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto",
-                   help="attention backend: auto takes flash-attn on CUDA where it is installed (the torch backend "
-                        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error")
-    p.add_argument("--graphs", action="store_true",
-                   help="time steps replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise); needs CUDA")
-    p.add_argument("--sm-partition", choices=MODES, default="none",
-                   help="how ubatch compute and communication share the SMs (see ubatch.sm)")
+    p.add_argument(
+        "--nproc",
+        type=positive_int,
+        help=f"ranks to start on this host, gloo on CPU, NCCL with a GPU each on CUDA (default "
+        f"{QUICK_RANKS} with --quick on CPU, else 1); under torchrun its ranks are used",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["auto", "torch", "flash"],
+        default="auto",
+        help="attention backend: auto takes flash-attn on CUDA where it is installed (the torch backend "
+        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error",
+    )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time steps replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise); needs CUDA",
+    )
+    p.add_argument(
+        "--sm-partition",
+        choices=MODES,
+        default="none",
+        help="how ubatch compute and communication share the SMs (see ubatch.sm)",
+    )
     p.add_argument("--comm-sms", type=positive_int, help="SMs for communication (default: ubatch.sm's)")
-    p.add_argument("--policy", choices=["fixed", "auto"],
-                   help="auto: also report what the calibrated split policy picks at every point (default: "
-                        "fixed; quick: auto)")
-    p.add_argument("--calibrate-tokens", type=int_list,
-                   help="token counts the auto policy calibrates on (default 256,2048; quick: 64,256)")
-    p.add_argument("--attention-share", type=float, default=DEFAULT_ATTENTION_SHARE,
-                   help="share of a layer's compute before its first collective, for the schedule model's "
-                        "estimate in each row (an assumption, not measured)")
+    p.add_argument(
+        "--policy",
+        choices=["fixed", "auto"],
+        help="auto: also report what the calibrated split policy picks at every point (default: fixed; quick: auto)",
+    )
+    p.add_argument(
+        "--calibrate-tokens",
+        type=int_list,
+        help="token counts the auto policy calibrates on (default 256,2048; quick: 64,256)",
+    )
+    p.add_argument(
+        "--attention-share",
+        type=float,
+        default=DEFAULT_ATTENTION_SHARE,
+        help="share of a layer's compute before its first collective, for the schedule model's "
+        "estimate in each row (an assumption, not measured)",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before the timed ones")
-    p.add_argument("--repeats", type=positive_int, help="timed rounds, each running the step unsplit and "
-                   "ubatched (default 10; quick: 15)")
-    p.add_argument("--quick", action="store_true",
-                   help="a small run that shows what the library does: on a CPU, well under a minute")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        help="timed rounds, each running the step unsplit and ubatched (default 10; quick: 15)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run that shows what the library does: on a CPU, well under a minute",
+    )
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--plot", help="write a timeline PNG of the first configuration's ubatched step here")
-    p.add_argument("--chrome-trace", help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto); "
-                   "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step")
+    p.add_argument(
+        "--chrome-trace",
+        help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto); "
+        "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step",
+    )
     p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
-    p.add_argument("--modes", type=_modes,
-                   help="time these overlap modes of each step side by side instead of the ubatch counts, e.g. "
-                        "overlap,pipeline2,split2,split2+pipeline2 (unsplit is always the baseline; "
-                        "docs/overlap-modes.md)")
-    p.add_argument("--link", type=_link,
-                   help="one process: communicate over the host-memory link stand-in instead of a process group, "
-                        "host[:GB/s][:wW] (bandwidth per direction, default the copy engines' speed; world size "
-                        "W, default 2): would overlap pay on my cluster's links? Figures are labelled stand-in")
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        help="time these overlap modes of each step side by side instead of the ubatch counts, e.g. "
+        "overlap,pipeline2,split2,split2+pipeline2 (unsplit is always the baseline; "
+        "docs/overlap-modes.md)",
+    )
+    p.add_argument(
+        "--link",
+        type=_link,
+        help="one process: communicate over the host-memory link stand-in instead of a process group, "
+        "host[:GB/s][:wW] (bandwidth per direction, default the copy engines' speed; world size "
+        "W, default 2): would overlap pay on my cluster's links? Figures are labelled stand-in",
+    )
     return p
 
 
@@ -146,11 +200,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.attention_share < 1:
         p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
     if args.graphs and args.plot:
-        p.error("--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
-                "--chrome-trace writes the profiled kernels of a replayed ubatched step instead")
+        p.error(
+            "--plot draws the scheduler's per-ubatch timeline, which graph replays do not record; "
+            "--chrome-trace writes the profiled kernels of a replayed ubatched step instead"
+        )
     if args.graphs and (args.device == "cpu" or not torch.cuda.is_available()):
-        p.error("--graphs replays CUDA graphs and needs a CUDA GPU, but "
-                + ("--device cpu was given" if args.device == "cpu" else "torch sees none"))
+        p.error(
+            "--graphs replays CUDA graphs and needs a CUDA GPU, but "
+            + ("--device cpu was given" if args.device == "cpu" else "torch sees none")
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was given, but torch sees no CUDA GPU")
     _check_model(p, args, world)
@@ -181,8 +239,12 @@ def _fill_defaults(args: argparse.Namespace, generate: bool) -> None:
     if args.nproc is None:
         args.nproc = QUICK_RANKS if quick and on_cpu and not generate and not under_torchrun() else 1
     if args.preset is None:
-        args.preset = {("moe", True): "tiny-moe", ("dense", True): "tiny",
-                       ("moe", False): "moe-bench", ("dense", False): "dense-bench"}[(args.model, on_cpu)]
+        args.preset = {
+            ("moe", True): "tiny-moe",
+            ("dense", True): "tiny",
+            ("moe", False): "moe-bench",
+            ("dense", False): "dense-bench",
+        }[(args.model, on_cpu)]
 
 
 def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace, generate: bool) -> int:
@@ -212,8 +274,10 @@ def _check_model(p: argparse.ArgumentParser, args: argparse.Namespace, world: in
     if config.kind != args.model:
         p.error(f"preset {args.preset!r} is a {config.kind} model but --model {args.model} was given")
     if config.kind == "moe" and world > 1 and config.num_experts % world:
-        p.error(f"{config.num_experts} experts cannot be split evenly over {world} ranks; "
-                f"use --num-experts with a multiple of {world}")
+        p.error(
+            f"{config.num_experts} experts cannot be split evenly over {world} ranks; "
+            f"use --num-experts with a multiple of {world}"
+        )
 
 
 def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -225,8 +289,10 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.policy == "auto" and not args.graphs:
         sizes = sorted(set(args.calibrate_tokens))
         if len(sizes) < 2 or sizes[0] < 2:
-            p.error(f"--calibrate-tokens needs two or more different sizes of at least 2 tokens (each is split "
-                    f"in two), got {','.join(map(str, args.calibrate_tokens))}")
+            p.error(
+                f"--calibrate-tokens needs two or more different sizes of at least 2 tokens (each is split "
+                f"in two), got {','.join(map(str, args.calibrate_tokens))}"
+            )
 
 
 def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

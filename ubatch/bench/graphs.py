@@ -42,46 +42,77 @@ from ubatch.graphed import GraphedModel, uniform_token_count
 GRAPH_MODES = {"decode": CUDAGraphMode.FULL, "prefill": CUDAGraphMode.PIECEWISE, "mixed": CUDAGraphMode.PIECEWISE}
 
 
-def measure_graphs(model: Any, step: Step, num_ubatches: int, *, mode: CUDAGraphMode, warmup: int, repeats: int,
-                   sm_partition: Any = None, chrome_trace: str | None = None) -> Measurement:
+def measure_graphs(
+    model: Any,
+    step: Step,
+    num_ubatches: int,
+    *,
+    mode: CUDAGraphMode,
+    warmup: int,
+    repeats: int,
+    sm_partition: Any = None,
+    chrome_trace: str | None = None,
+) -> Measurement:
     """Graph-replayed baseline and ubatched step, with the eager unsplit step beside them."""
     device = model.device
     eager_baseline_ms = median_ms(unsplit_call(model, step), device, warmup=warmup, repeats=repeats)
-    graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=_blocks_per_request(model, step),
-                           ubatch_counts=(1, num_ubatches), uniform_token_count=1, modes=(mode,),
-                           sm_partition=sm_partition)
+    graphed = GraphedModel(
+        model,
+        capture_sizes=[step.num_tokens],
+        max_blocks_per_req=_blocks_per_request(model, step),
+        ubatch_counts=(1, num_ubatches),
+        uniform_token_count=1,
+        modes=(mode,),
+        sm_partition=sm_partition,
+    )
     try:
         graphed.capture()
         baseline, ubatched = (replay_call(graphed, step, n, mode) for n in (1, num_ubatches))
-        capture_time_ms = {n: median_ms(fn, device, warmup=1, repeats=3)
-                           for n, fn in ((1, baseline), (num_ubatches, ubatched))}
-        baseline_samples, ubatched_samples = interleaved_samples_ms([baseline, ubatched], device, warmup=warmup,
-                                                                    repeats=repeats)
+        capture_time_ms = {
+            n: median_ms(fn, device, warmup=1, repeats=3) for n, fn in ((1, baseline), (num_ubatches, ubatched))
+        }
+        baseline_samples, ubatched_samples = interleaved_samples_ms(
+            [baseline, ubatched], device, warmup=warmup, repeats=repeats
+        )
         baseline_kernels = profile_kernels(baseline, device)
         kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
     finally:
         graphed.release()
     compute_ms, comm_ms = kernel_costs(baseline_kernels)
     transfer = gathered_transfer_ms(baseline_kernels), gathered_transfer_ms(kernels)
-    return Measurement(statistics.median(baseline_samples), statistics.median(ubatched_samples), compute_ms, comm_ms,
-                       hidden_kernel_fraction(kernels), [], eager_baseline_ms=eager_baseline_ms, graphs=True,
-                       capture_time_ms=capture_time_ms, ubatched_busy_ms=kernel_costs(kernels),
-                       transfer_ms=None if None in transfer else transfer, baseline_samples_ms=baseline_samples,
-                       ubatched_samples_ms=ubatched_samples)
+    return Measurement(
+        statistics.median(baseline_samples),
+        statistics.median(ubatched_samples),
+        compute_ms,
+        comm_ms,
+        hidden_kernel_fraction(kernels),
+        [],
+        eager_baseline_ms=eager_baseline_ms,
+        graphs=True,
+        capture_time_ms=capture_time_ms,
+        ubatched_busy_ms=kernel_costs(kernels),
+        transfer_ms=None if None in transfer else transfer,
+        baseline_samples_ms=baseline_samples,
+        ubatched_samples_ms=ubatched_samples,
+    )
 
 
 def _blocks_per_request(model: Any, step: Step) -> int:
     return step.attn_metadata[model.layer_names[0]].block_table.shape[1]
 
 
-def replay_call(graphed: GraphedModel, step: Step, num_ubatches: int, mode: CUDAGraphMode) -> Callable[[], torch.Tensor]:
+def replay_call(
+    graphed: GraphedModel, step: Step, num_ubatches: int, mode: CUDAGraphMode
+) -> Callable[[], torch.Tensor]:
     """A call that replays the step's graph of ``num_ubatches``. A capture that failed leaves
     the step to run eagerly (with a warning); timing that as a replay would be wrong, so it raises."""
     md = step.attn_metadata[graphed.model.layer_names[0]]
     desc = graphed.plan(md.num_actual_tokens, md.num_reqs, uniform_token_count(md), num_ubatches=num_ubatches)
     if desc is None or desc.cg_mode != mode:
-        raise RuntimeError(f"no {mode.name} graph of {md.num_actual_tokens} tokens in {num_ubatches} ubatch(es) "
-                           f"to replay (planned: {desc}); did its capture fail? See the warning above")
+        raise RuntimeError(
+            f"no {mode.name} graph of {md.num_actual_tokens} tokens in {num_ubatches} ubatch(es) "
+            f"to replay (planned: {desc}); did its capture fail? See the warning above"
+        )
 
     def replay() -> torch.Tensor:
         with torch.inference_mode():

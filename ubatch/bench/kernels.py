@@ -53,14 +53,25 @@ def kernels_in_trace(trace: dict[str, Any]) -> list[Kernel]:
     """The kernels of a Chrome trace that torch.profiler exported: its complete events ("ph"
     "X") of category "kernel", and the link stand-in's host copies ("gpu_memcpy"), in
     microseconds."""
-    return [Kernel(e["name"], e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and (e.get("cat") == "kernel"
-                                       or (e.get("cat") == "gpu_memcpy" and _is_link_activity(e["name"].lower())))]
+    return [
+        Kernel(e["name"], e["ts"], e["ts"] + e["dur"])
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X"
+        and (e.get("cat") == "kernel" or (e.get("cat") == "gpu_memcpy" and _is_link_activity(e["name"].lower())))
+    ]
 
 
 def _intervals(kernels: Sequence[Kernel]) -> list[Interval]:
-    return [Interval(_COMM_ID if k.is_comm else _COMPUTE_ID, "comm" if k.is_comm else "compute", k.name,
-                     k.start_us / 1e3, k.end_us / 1e3) for k in kernels]
+    return [
+        Interval(
+            _COMM_ID if k.is_comm else _COMPUTE_ID,
+            "comm" if k.is_comm else "compute",
+            k.name,
+            k.start_us / 1e3,
+            k.end_us / 1e3,
+        )
+        for k in kernels
+    ]
 
 
 def hidden_kernel_fraction(kernels: Sequence[Kernel]) -> float | None:

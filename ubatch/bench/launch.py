@@ -24,9 +24,17 @@ def run_on_local_ranks(entry: Callable[..., Any], *args: Any, nproc: int) -> Any
     free one); rank 0's return value. A rank that fails stops the others and raises here.
     ``entry`` must be importable by name (the ranks are spawned, not forked). The launcher's
     signal handlers (it stops the ranks on SIGINT / SIGTERM) are this process's own again after."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ubatch-bench-{uuid.uuid4().hex}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"ubatch-bench-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
     handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
     previous = {sig: signal.getsignal(sig) for sig in handled}
     try:

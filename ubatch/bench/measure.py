@@ -66,8 +66,9 @@ def median_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
     return statistics.median(samples)
 
 
-def interleaved_samples_ms(fns: Sequence[Callable[[], Any]], device: torch.device, *, warmup: int,
-                           repeats: int) -> list[list[float]]:
+def interleaved_samples_ms(
+    fns: Sequence[Callable[[], Any]], device: torch.device, *, warmup: int, repeats: int
+) -> list[list[float]]:
     """Wall times (ms) of each of ``fns`` over ``repeats`` rounds, one run of each per round (in
     turn first) and the device drained around every run: whatever else loads the machine
     meanwhile falls on all of them alike, so the ratio of two runs of one round is a fair sample
@@ -107,8 +108,12 @@ class Measurement:
 
     def calibration_sample(self) -> dict[str, float]:
         """What ``ubatch.policy.calibrate_from_samples`` reads of a two-ubatch measurement."""
-        return {"compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "baseline_ms": self.baseline_ms,
-                "ubatched_ms": self.ubatched_ms}
+        return {
+            "compute_ms": self.compute_ms,
+            "comm_ms": self.comm_ms,
+            "baseline_ms": self.baseline_ms,
+            "ubatched_ms": self.ubatched_ms,
+        }
 
     @property
     def speedup(self) -> float:
@@ -218,16 +223,23 @@ class Measurement:
             "repeats": len(self.baseline_samples_ms),
             "ruled_out": self.ruled_out,
             **{name: None if value is None else round(value, 4) for name, value in figures.items()},
-            "capture_time_ms": None if self.capture_time_ms is None
+            "capture_time_ms": None
+            if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
 
 
 def unsplit_call(model: Any, step: Step) -> Callable[[], Any]:
     """A call that runs ``step`` through ``model`` eagerly, whole."""
+
     def run() -> Any:
-        with torch.inference_mode(), set_forward_context(
-            step.attn_metadata, no_compile_layers=model.attention_layers, num_tokens=step.num_tokens,
+        with (
+            torch.inference_mode(),
+            set_forward_context(
+                step.attn_metadata,
+                no_compile_layers=model.attention_layers,
+                num_tokens=step.num_tokens,
+            ),
         ):
             return model(step.input_ids, step.positions)
 
@@ -251,9 +263,14 @@ class EagerRuns:
         self.slices = step.slices(num_ubatches)
 
     def _run(self, slices: Any, runnable: Callable[[], Any]) -> Any:
-        with torch.inference_mode(), set_forward_context(
-            self.step.attn_metadata, no_compile_layers=self.model.attention_layers, ubatch_slices=slices,
-            num_tokens=self.step.num_tokens,
+        with (
+            torch.inference_mode(),
+            set_forward_context(
+                self.step.attn_metadata,
+                no_compile_layers=self.model.attention_layers,
+                ubatch_slices=slices,
+                num_tokens=self.step.num_tokens,
+            ),
         ):
             return runnable()
 
@@ -264,14 +281,17 @@ class EagerRuns:
         return self._run(self.slices, lambda: self.wrapper(self.step.input_ids, self.step.positions))
 
     def serial(self) -> Any:
-        return self._run(None, lambda: self.serial_scheduler.run(
-            [lambda: self.model(self.step.input_ids, self.step.positions)]))
+        return self._run(
+            None, lambda: self.serial_scheduler.run([lambda: self.model(self.step.input_ids, self.step.positions)])
+        )
 
     def serial_costs(self, runs: int = 3) -> tuple[float, float]:
         """(compute ms, comm ms): the medians over ``runs`` traced serial runs."""
         traces = [self.traced(self.serial, self.serial_scheduler) for _ in range(runs)]
-        return (statistics.median(sum(i.duration_ms for i in t if i.kind == "compute") for t in traces),
-                statistics.median(sum(i.duration_ms for i in t if i.kind == "comm") for t in traces))
+        return (
+            statistics.median(sum(i.duration_ms for i in t if i.kind == "compute") for t in traces),
+            statistics.median(sum(i.duration_ms for i in t if i.kind == "comm") for t in traces),
+        )
 
     def traced(self, fn: Callable[[], Any], scheduler: UBatchScheduler | None = None) -> list[Interval]:
         """``scheduler``'s (default: the wrapper's) timeline of one call of ``fn``, after an
@@ -287,19 +307,30 @@ class EagerRuns:
         return trace.intervals()
 
 
-def measure(model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int,
-            sm_partition: Any = None) -> Measurement:
+def measure(
+    model: Any, step: Step, num_ubatches: int, *, warmup: int, repeats: int, sm_partition: Any = None
+) -> Measurement:
     """Baseline and ubatched timings of one step shape in shared rounds, and the serial-traced
     compute and communication, all eager."""
     runs = EagerRuns(model, step, num_ubatches, sm_partition=sm_partition)
-    baseline, ubatched = interleaved_samples_ms([runs.baseline, runs.ubatched], runs.device, warmup=warmup,
-                                                repeats=repeats)
+    baseline, ubatched = interleaved_samples_ms(
+        [runs.baseline, runs.ubatched], runs.device, warmup=warmup, repeats=repeats
+    )
     baseline_ms = statistics.median(baseline)
     compute_ms, comm_ms = runs.serial_costs()
     timeline = runs.traced(runs.ubatched)
-    return Measurement(baseline_ms, statistics.median(ubatched), compute_ms, comm_ms, hidden_comm_fraction(timeline),
-                       timeline, eager_baseline_ms=baseline_ms, ubatched_busy_ms=device_busy_ms(timeline, runs.device),
-                       baseline_samples_ms=baseline, ubatched_samples_ms=ubatched)
+    return Measurement(
+        baseline_ms,
+        statistics.median(ubatched),
+        compute_ms,
+        comm_ms,
+        hidden_comm_fraction(timeline),
+        timeline,
+        eager_baseline_ms=baseline_ms,
+        ubatched_busy_ms=device_busy_ms(timeline, runs.device),
+        baseline_samples_ms=baseline,
+        ubatched_samples_ms=ubatched,
+    )
 
 
 def device_busy_ms(timeline: list[Interval], device: torch.device) -> tuple[float, float] | None:

@@ -68,16 +68,22 @@ def sample_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
 
 def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
     """A call that runs ``step`` eagerly in ``mode`` (expert chunks applied for the call)."""
-    runnable = UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device) \
-        if mode.runs_as_ubatches else model
+    runnable = (
+        UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device) if mode.runs_as_ubatches else model
+    )
     slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
 
     def run() -> Any:
         apply_expert_chunks(model, mode.expert_chunks)
         try:
-            with torch.inference_mode(), set_forward_context(
-                step.attn_metadata, no_compile_layers=model.attention_layers, ubatch_slices=slices,
-                num_tokens=step.num_tokens,
+            with (
+                torch.inference_mode(),
+                set_forward_context(
+                    step.attn_metadata,
+                    no_compile_layers=model.attention_layers,
+                    ubatch_slices=slices,
+                    num_tokens=step.num_tokens,
+                ),
             ):
                 return runnable(step.input_ids, step.positions)
         finally:
@@ -89,14 +95,22 @@ def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
 class GraphedMode:
     """One mode's graph of the step, captured on entry and released on exit."""
 
-    def __init__(self, model: Any, step: Step, mode: OverlapMode, graph_mode: CUDAGraphMode,
-                 sm_partition: Any = None) -> None:
+    def __init__(
+        self, model: Any, step: Step, mode: OverlapMode, graph_mode: CUDAGraphMode, sm_partition: Any = None
+    ) -> None:
         self.model, self.step, self.mode, self.graph_mode = model, step, mode, graph_mode
         blocks = step.attn_metadata[model.layer_names[0]].block_table.shape[1]
         apply_expert_chunks(model, mode.expert_chunks)
-        self.graphed = GraphedModel(model, capture_sizes=[step.num_tokens], max_blocks_per_req=blocks,
-                                    ubatch_counts=(mode.num_ubatches,), uniform_token_count=1, modes=(graph_mode,),
-                                    sm_partition=sm_partition, single_batch_overlap=mode.runs_as_ubatches)
+        self.graphed = GraphedModel(
+            model,
+            capture_sizes=[step.num_tokens],
+            max_blocks_per_req=blocks,
+            ubatch_counts=(mode.num_ubatches,),
+            uniform_token_count=1,
+            modes=(graph_mode,),
+            sm_partition=sm_partition,
+            single_batch_overlap=mode.runs_as_ubatches,
+        )
 
     def __enter__(self) -> Callable[[], Any]:
         try:
@@ -112,8 +126,16 @@ class GraphedMode:
         torch.cuda.empty_cache()  # a released graph's private pool stays reserved, out of the next capture's reach
 
 
-def sweep_modes(model: Any, step: Step, modes: Sequence[OverlapMode], *, graph_mode: CUDAGraphMode | None,
-                warmup: int, repeats: int, sm_partition: Any = None) -> dict[str, Any]:
+def sweep_modes(
+    model: Any,
+    step: Step,
+    modes: Sequence[OverlapMode],
+    *,
+    graph_mode: CUDAGraphMode | None,
+    warmup: int,
+    repeats: int,
+    sm_partition: Any = None,
+) -> dict[str, Any]:
     """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
@@ -136,8 +158,13 @@ def sweep_modes(model: Any, step: Step, modes: Sequence[OverlapMode], *, graph_m
                 compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
-    return {"timings": timings, "capture_time_ms": quick, "compute_ms": compute_ms, "comm_ms": comm_ms,
-            "dropped_fraction": dropped}
+    return {
+        "timings": timings,
+        "capture_time_ms": quick,
+        "compute_ms": compute_ms,
+        "comm_ms": comm_ms,
+        "dropped_fraction": dropped,
+    }
 
 
 def dropped_share(model: Any, fn: Callable[[], Any], step: Step) -> float | None:
@@ -166,15 +193,25 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
         speedup = base.median_ms / t.median_ms
         # The ratio of two medians strays by about the two spreads together.
         spread = base.spread + t.spread
-        rows.append({
-            "mode": mode.name, "num_ubatches": mode.num_ubatches, "expert_chunks": mode.expert_chunks,
-            "single_batch": mode.single_batch, "median_ms": round(t.median_ms, 4), "min_ms": round(t.min_ms, 4),
-            "max_ms": round(t.max_ms, 4), "speedup": round(speedup, 4), "speedup_spread": round(speedup * spread, 4),
-            "compute_ms": round(c, 4), "comm_ms": round(m, 4), "ideal_speedup": round(ideal, 4),
-            "efficiency": None if ideal <= 1 + 1e-9 else round((speedup - 1) / (ideal - 1), 4),
-            "above_ideal": speedup > ideal * (1 + spread),
-            "dropped_fraction": sweep["dropped_fraction"].get(mode.name),
-        })
+        rows.append(
+            {
+                "mode": mode.name,
+                "num_ubatches": mode.num_ubatches,
+                "expert_chunks": mode.expert_chunks,
+                "single_batch": mode.single_batch,
+                "median_ms": round(t.median_ms, 4),
+                "min_ms": round(t.min_ms, 4),
+                "max_ms": round(t.max_ms, 4),
+                "speedup": round(speedup, 4),
+                "speedup_spread": round(speedup * spread, 4),
+                "compute_ms": round(c, 4),
+                "comm_ms": round(m, 4),
+                "ideal_speedup": round(ideal, 4),
+                "efficiency": None if ideal <= 1 + 1e-9 else round((speedup - 1) / (ideal - 1), 4),
+                "above_ideal": speedup > ideal * (1 + spread),
+                "dropped_fraction": sweep["dropped_fraction"].get(mode.name),
+            }
+        )
     return rows
 
 
@@ -184,12 +221,18 @@ def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: 
     choice = policy.decide(num_tokens)
     measured = {name: t.median_ms for name, t in sweep["timings"].items()}
     best = min(measured, key=measured.get)
-    return {"choice": choice, "best": best, "auto_ms": round(measured[choice], 4),
-            "best_ms": round(measured[best], 4), "auto_vs_best": round(measured[best] / measured[choice], 4)}
+    return {
+        "choice": choice,
+        "best": best,
+        "auto_ms": round(measured[choice], 4),
+        "best_ms": round(measured[best], 4),
+        "auto_vs_best": round(measured[best] / measured[choice], 4),
+    }
 
 
-def modes_report(model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *,
-                 sm_partition: Any = None) -> dict[str, Any]:
+def modes_report(
+    model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *, sm_partition: Any = None
+) -> dict[str, Any]:
     """``ubatch-bench --modes``: every supported mode at every ``--tokens`` size, each row with the
     unsplit step's roofline (``ubatch.bench.roofline``), and the policy's pick per size."""
     modes = supported(model, args.modes)
@@ -199,13 +242,31 @@ def modes_report(model: Any, config: Any, args: Any, step_at: Callable[[int], St
     results, points = [], []
     for tokens in args.tokens:
         step = step_at(tokens)
-        sweep = sweep_modes(model, step, modes, graph_mode=graph_mode, warmup=args.warmup, repeats=args.repeats,
-                            sm_partition=sm_partition)
+        sweep = sweep_modes(
+            model,
+            step,
+            modes,
+            graph_mode=graph_mode,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            sm_partition=sm_partition,
+        )
         md = step.attn_metadata[model.layer_names[0]]
         for row in mode_rows(sweep, modes):
-            results.append({"model": args.preset, "workload": args.workload, "tokens_per_rank": tokens,
-                            "graphs": graph_mode is not None, "label": args.label, **row,
-                            **roofline_fields(config, md, row["median_ms"], device=model.device, ep_world=ep_world)})
+            results.append(
+                {
+                    "model": args.preset,
+                    "workload": args.workload,
+                    "tokens_per_rank": tokens,
+                    "graphs": graph_mode is not None,
+                    "label": args.label,
+                    **row,
+                    **roofline_fields(config, md, row["median_ms"], device=model.device, ep_world=ep_world),
+                }
+            )
         points.append({"tokens_per_rank": tokens, **auto_point(sweep, modes, tokens)})
-    return {"results": results, "skipped_modes": skipped,
-            "auto": {"note": "the policy picks from a short timing of every mode right after capture", "points": points}}
+    return {
+        "results": results,
+        "skipped_modes": skipped,
+        "auto": {"note": "the policy picks from a short timing of every mode right after capture", "points": points},
+    }

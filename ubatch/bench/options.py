@@ -21,6 +21,7 @@ def int_list(text: str) -> list[int]:
 def bounded(cast: Callable[[str], Any], what: str, minimum: float, *, inclusive: bool) -> Callable[[str], Any]:
     """An argparse type: ``cast(text)`` when it is above ``minimum`` (or equal, if ``inclusive``),
     else an error saying ``what`` was expected."""
+
     def parse(text: str) -> Any:
         try:
             value = cast(text)
@@ -41,11 +42,18 @@ positive_float = bounded(float, "a positive number", 0, inclusive=False)
 def add_model_overrides(p: argparse.ArgumentParser) -> None:
     """The options that change a preset's shape (also used by scripts/torchrun_generate.py)."""
     p.add_argument("--layers", type=positive_int, help="override the preset's number of layers")
-    p.add_argument("--num-experts", type=positive_int, help="MoE: override the preset's number of experts "
-                   "(expert parallelism needs a multiple of the world size)")
-    p.add_argument("--capacity-factor", type=positive_float, help="MoE: bound the rows each rank sends each "
-                   "peer to ceil(f * tokens * top_k / world) (default: worst case, nothing dropped); reports "
-                   "the share of assignments dropped, unsplit and ubatched")
+    p.add_argument(
+        "--num-experts",
+        type=positive_int,
+        help="MoE: override the preset's number of experts (expert parallelism needs a multiple of the world size)",
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=positive_float,
+        help="MoE: bound the rows each rank sends each "
+        "peer to ceil(f * tokens * top_k / world) (default: worst case, nothing dropped); reports "
+        "the share of assignments dropped, unsplit and ubatched",
+    )
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -38,9 +38,21 @@ def write_chrome_trace(intervals: Sequence[Interval], path: str) -> None:
     """The intervals as complete events ("ph": "X", microseconds), a thread per ubatch and stream."""
     rows = sorted({(i.ubatch_id, i.kind) for i in intervals})
     tid = {row: n for n, row in enumerate(rows)}
-    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[row],
-               "args": {"name": f"ubatch {row[0]} {row[1]}"}} for row in rows]
-    events += [{"name": i.name, "cat": i.kind, "ph": "X", "pid": 0, "tid": tid[(i.ubatch_id, i.kind)],
-                "ts": i.start_ms * 1e3, "dur": i.duration_ms * 1e3} for i in intervals]
+    events = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[row], "args": {"name": f"ubatch {row[0]} {row[1]}"}}
+        for row in rows
+    ]
+    events += [
+        {
+            "name": i.name,
+            "cat": i.kind,
+            "ph": "X",
+            "pid": 0,
+            "tid": tid[(i.ubatch_id, i.kind)],
+            "ts": i.start_ms * 1e3,
+            "dur": i.duration_ms * 1e3,
+        }
+        for i in intervals
+    ]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

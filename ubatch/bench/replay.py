@@ -41,10 +41,18 @@ def calibration_samples(report: dict[str, Any]) -> dict[int, dict[str, float | N
     comm = Linear(**fitted["comm_ms"])
     old = StepCosts(fitted["compute_ms_per_token"], comm, stages=fitted["stages"])
     return {
-        small: {"compute_ms": None, "comm_ms": comm(small), "baseline_ms": fitted["host_ms"],
-                "ubatched_ms": 2 * fitted["ubatch_host_ms"]},
-        large: {"compute_ms": fitted["compute_ms_per_token"] * large, "comm_ms": comm(large), "baseline_ms": None,
-                "ubatched_ms": old.pipeline_ms(large, 2) + 2 * fitted["ubatch_gpu_ms"]},
+        small: {
+            "compute_ms": None,
+            "comm_ms": comm(small),
+            "baseline_ms": fitted["host_ms"],
+            "ubatched_ms": 2 * fitted["ubatch_host_ms"],
+        },
+        large: {
+            "compute_ms": fitted["compute_ms_per_token"] * large,
+            "comm_ms": comm(large),
+            "baseline_ms": None,
+            "ubatched_ms": old.pipeline_ms(large, 2) + 2 * fitted["ubatch_gpu_ms"],
+        },
     }
 
 
@@ -58,5 +66,7 @@ def replay(report: dict[str, Any], **policy_kwargs: Any) -> list[ReplayedPoint]:
     for row in report["results"]:
         times = measured.setdefault(row["tokens_per_rank"], {1: row["baseline_ms"]})
         times[row["num_ubatches"]] = row["ubatched_ms"]
-    return [ReplayedPoint(tokens, policy.decide(tokens), min(times, key=times.get), times)
-            for tokens, times in measured.items()]
+    return [
+        ReplayedPoint(tokens, policy.decide(tokens), min(times, key=times.get), times)
+        for tokens, times in measured.items()
+    ]

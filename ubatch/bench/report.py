@@ -73,10 +73,14 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         ("tokens", lambda r: str(r["tokens_per_rank"])),
         ("N", lambda r: str(r["num_ubatches"])),
         *([("eager ms", lambda r: _cell(r.get("eager_baseline_ms")))] if graphs else []),
-        ("graph ms" if graphs else "unsplit ms", lambda r: _with_range(r, "baseline_ms", "baseline_min_ms",
-                                                                      "baseline_max_ms")),
-        ("graph N ms" if graphs else "ubatched ms", lambda r: _with_range(r, "ubatched_ms", "ubatched_min_ms",
-                                                                         "ubatched_max_ms")),
+        (
+            "graph ms" if graphs else "unsplit ms",
+            lambda r: _with_range(r, "baseline_ms", "baseline_min_ms", "baseline_max_ms"),
+        ),
+        (
+            "graph N ms" if graphs else "ubatched ms",
+            lambda r: _with_range(r, "ubatched_ms", "ubatched_min_ms", "ubatched_max_ms"),
+        ),
         ("speedup", speedup_text),
         ("C ms", lambda r: _cell(r.get("compute_ms"))),
         ("M ms", lambda r: _cell(r.get("comm_ms"))),
@@ -107,9 +111,11 @@ def row_note(row: dict[str, Any]) -> str:
     rounds = f"over {row['repeats']} rounds" if row.get("repeats") else "one timing"
     ideal = row["ideal_speedup"]
     if row.get("ruled_out"):
-        return (f"{where}: measured {_num(row['measured_speedup'])}x, yet every round beat the ideal "
-                f"{_num(ideal)}x that this run's own C and M allow: a measurement error (noise, another "
-                f"process on the cores), not a speedup; rerun it, with more --repeats")
+        return (
+            f"{where}: measured {_num(row['measured_speedup'])}x, yet every round beat the ideal "
+            f"{_num(ideal)}x that this run's own C and M allow: a measurement error (noise, another "
+            f"process on the cores), not a speedup; rerun it, with more --repeats"
+        )
     low, high = row.get("speedup_min"), row.get("speedup_max")
     figure = f"{speedup_text(row)} {rounds}"
     if row["comm_ms"] <= 0:
@@ -126,11 +132,16 @@ def policy_sentence(point: dict[str, Any], results: Sequence[dict[str, Any]]) ->
     """The policy's pick beside the measured best at one sweep point, in words."""
     tokens, choice, best = point["tokens_per_rank"], point["choice"], point["best"]
     rows = [r for r in results if r["tokens_per_rank"] == tokens]
-    times = f"{_num(point['best_ms'])} ms" if choice == best else (
-        f"{_num(point['best_ms'])} ms vs {_num(point['auto_ms'])} ms for auto's pick")
+    times = (
+        f"{_num(point['best_ms'])} ms"
+        if choice == best
+        else (f"{_num(point['best_ms'])} ms vs {_num(point['auto_ms'])} ms for auto's pick")
+    )
     if choice == 1 and all(r["comm_ms"] <= 0 for r in rows):
-        return (f"auto keeps the {tokens}-token step whole: nothing to hide (no communication); measured best is "
-                f"{best} ({times})")
+        return (
+            f"auto keeps the {tokens}-token step whole: nothing to hide (no communication); measured best is "
+            f"{best} ({times})"
+        )
     pick = f"keeps the {tokens}-token step whole" if choice == 1 else f"splits the {tokens}-token step in {choice}"
     sentence = f"auto {pick}: measured best is {best} ({times})"
     doubtful = [r["num_ubatches"] for r in rows if r.get("ruled_out")]
@@ -142,10 +153,15 @@ def policy_sentence(point: dict[str, Any], results: Sequence[dict[str, Any]]) ->
 def plot_title(row: dict[str, Any], *, preset: str, workload: str, world: int, label: str) -> str:
     """The timeline's title, with the speedup as the table prints it (or why it prints none)."""
     ideal = f"{_num(row['ideal_speedup'])}x"
-    figure = (f"measured {_num(row['measured_speedup'])}x, ruled out by its ideal {ideal}" if row.get("ruled_out")
-              else f"speedup {speedup_text(row)} of ideal {ideal}")
-    return (f"{preset} {workload}, {row['tokens_per_rank']} tokens/rank, N={row['num_ubatches']}, world {world}"
-            f"{' ' + label if label else ''}: {figure}")
+    figure = (
+        f"measured {_num(row['measured_speedup'])}x, ruled out by its ideal {ideal}"
+        if row.get("ruled_out")
+        else f"speedup {speedup_text(row)} of ideal {ideal}"
+    )
+    return (
+        f"{preset} {workload}, {row['tokens_per_rank']} tokens/rank, N={row['num_ubatches']}, world {world}"
+        f"{' ' + label if label else ''}: {figure}"
+    )
 
 
 LEGEND = """\
@@ -158,8 +174,10 @@ What the columns mean:
   effic.                 (speedup - 1) / (ideal - 1): the share of the ideal gain reached
   hidden                 the share of communication that ran while another ubatch computed"""
 
-CPU_NOTE = ("On a CPU, gloo moves the data on the same cores the ranks compute on, so what a split hides is "
-            "partly paid again: the ideal assumes communication costs no compute.")
+CPU_NOTE = (
+    "On a CPU, gloo moves the data on the same cores the ranks compute on, so what a split hides is "
+    "partly paid again: the ideal assumes communication costs no compute."
+)
 
 
 def run_summary(report: dict[str, Any]) -> str:
@@ -167,7 +185,8 @@ def run_summary(report: dict[str, Any]) -> str:
     setup, env, rows = report["setup"], report["environment"], report["results"]
     world = env["world_size"]
     model = f"{setup['preset']} ({setup['num_layers']} layers" + (
-        f", {setup['num_experts']} experts)" if setup["num_experts"] else ")")
+        f", {setup['num_experts']} experts)" if setup["num_experts"] else ")"
+    )
     if world == 1:
         ranks = "in one process, so nothing is sent between ranks"
     else:
@@ -175,11 +194,16 @@ def run_summary(report: dict[str, Any]) -> str:
         parallel = "expert-parallel" if setup["kind"] == "moe" else "tensor-parallel"
         backend = "NCCL" if env["device"].startswith("cuda") else "gloo"
         ranks = f"{parallel} over {world} {backend} ranks {how}"
-    cores = (f" on {env['host_cores']} CPU cores (load average {env['host_load_1m']:g}, this run included)"
-             if env["device"] == "cpu" else f" on {env['device']}")
+    cores = (
+        f" on {env['host_cores']} CPU cores (load average {env['host_load_1m']:g}, this run included)"
+        if env["device"] == "cpu"
+        else f" on {env['device']}"
+    )
     sizes = ", ".join(str(t) for t in dict.fromkeys(r["tokens_per_rank"] for r in rows))
-    return (f"{model} {ranks}{cores}: one {rows[0]['workload']} step of {sizes} tokens per rank, "
-            f"{rows[0]['repeats']} timed rounds")
+    return (
+        f"{model} {ranks}{cores}: one {rows[0]['workload']} step of {sizes} tokens per rank, "
+        f"{rows[0]['repeats']} timed rounds"
+    )
 
 
 def format_modes_table(results: Sequence[dict[str, Any]]) -> str:
@@ -195,8 +219,14 @@ def format_modes_table(results: Sequence[dict[str, Any]]) -> str:
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
         ("effic.", lambda r: _cell(r.get("efficiency"))),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
-        ("roofline", lambda r: "-" if r.get("roofline_fraction") is None
-         else f"{100 * r['roofline_fraction']:.0f}% of {r['roofline_ms']:.3g}"),
+        (
+            "roofline",
+            lambda r: (
+                "-"
+                if r.get("roofline_fraction") is None
+                else f"{100 * r['roofline_fraction']:.0f}% of {r['roofline_ms']:.3g}"
+            ),
+        ),
     ]
     rows = [[cell(r) for _, cell in columns] for r in results]
     widths = [max(len(head), *(len(row[i]) for row in rows)) for i, (head, _) in enumerate(columns)]
@@ -210,5 +240,7 @@ def modes_policy_sentence(point: dict[str, Any]) -> str:
     where = f"at {point['tokens_per_rank']} tokens"
     if point["choice"] == point["best"]:
         return f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms), the measured best"
-    return (f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms); measured best is {point['best']} "
-            f"({_num(point['best_ms'])} ms): {point['auto_vs_best']:.3f}x of best")
+    return (
+        f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms); measured best is {point['best']} "
+        f"({_num(point['best_ms'])} ms): {point['auto_vs_best']:.3f}x of best"
+    )

@@ -65,13 +65,17 @@ class Roofline:
 
     @property
     def bound(self) -> str:
-        """"memory" or "compute": which of the two times is the floor."""
+        """ "memory" or "compute": which of the two times is the floor."""
         return "memory" if self.bytes_ms >= self.flops_ms else "compute"
 
     def fraction(self, measured_ms: float) -> float:
         """floor / measured: 1.0 is a step at its roofline."""
-        if isinstance(measured_ms, bool) or not isinstance(measured_ms, (int, float)) or not measured_ms > 0 \
-                or not math.isfinite(measured_ms):
+        if (
+            isinstance(measured_ms, bool)
+            or not isinstance(measured_ms, (int, float))
+            or not measured_ms > 0
+            or not math.isfinite(measured_ms)
+        ):
             raise ValueError(f"measured_ms must be a finite time > 0, got {measured_ms!r}")
         return self.floor_ms / measured_ms
 
@@ -122,8 +126,12 @@ def step_roofline(
     check_divisible("num_kv_heads", config.num_kv_heads, tp_world, "tensor-parallel")
     if config.kind == "moe":
         check_divisible("num_experts", config.num_experts, ep_world, "expert-parallel")
-        check_divisible("shared expert intermediate size", config.num_shared_experts * config.moe_intermediate_size,
-                        tp_world, "tensor-parallel")
+        check_divisible(
+            "shared expert intermediate size",
+            config.num_shared_experts * config.moe_intermediate_size,
+            tp_world,
+            "tensor-parallel",
+        )
     else:
         if ep_world != 1:
             raise ValueError(f"ep_world must be 1 for a dense model, got {ep_world}")
@@ -146,9 +154,14 @@ def step_roofline(
     activation_bytes = layers * 2 * tokens * hidden * elt
     flops = layers * layer_flops
     total_bytes = weight_bytes + kv_bytes + activation_bytes
-    return Roofline(weight_bytes=float(weight_bytes), kv_bytes=float(kv_bytes),
-                    activation_bytes=float(activation_bytes), flops=float(flops),
-                    bytes_ms=total_bytes / (hbm_gbps * 1e9) * 1e3, flops_ms=flops / (peak_tflops * 1e12) * 1e3)
+    return Roofline(
+        weight_bytes=float(weight_bytes),
+        kv_bytes=float(kv_bytes),
+        activation_bytes=float(activation_bytes),
+        flops=float(flops),
+        bytes_ms=total_bytes / (hbm_gbps * 1e9) * 1e3,
+        flops_ms=flops / (peak_tflops * 1e12) * 1e3,
+    )
 
 
 def _ffn(config: ModelConfig, tokens: int, ep_world: int, tp_world: int) -> tuple[float, float]:
@@ -202,16 +215,26 @@ def _check_rate(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-def roofline_fields(config: ModelConfig, metadata: Any, measured_ms: float, *, device: Any, ep_world: int = 1,
-                    tp_world: int = 1) -> dict[str, Any]:
+def roofline_fields(
+    config: ModelConfig, metadata: Any, measured_ms: float, *, device: Any, ep_world: int = 1, tp_world: int = 1
+) -> dict[str, Any]:
     """A bench row's roofline columns for a step measured at ``measured_ms``, from its attention
     metadata; None on a CPU, which the H200 ceilings do not describe."""
     if getattr(device, "type", device) != "cuda":
         return {"roofline_ms": None, "roofline_bound": None, "roofline_fraction": None}
     query_lens = metadata.query_lens()
     contexts = [s - q for s, q in zip(metadata.seq_lens_cpu.tolist(), query_lens)]
-    roofline = step_roofline(config, num_tokens=sum(query_lens), num_reqs=len(query_lens),
-                             context_len_per_req=contexts, query_len_per_req=query_lens, ep_world=ep_world,
-                             tp_world=tp_world)
-    return {"roofline_ms": round(roofline.floor_ms, 4), "roofline_bound": roofline.bound,
-            "roofline_fraction": round(roofline.fraction(measured_ms), 4)}
+    roofline = step_roofline(
+        config,
+        num_tokens=sum(query_lens),
+        num_reqs=len(query_lens),
+        context_len_per_req=contexts,
+        query_len_per_req=query_lens,
+        ep_world=ep_world,
+        tp_world=tp_world,
+    )
+    return {
+        "roofline_ms": round(roofline.floor_ms, 4),
+        "roofline_bound": roofline.bound,
+        "roofline_fraction": round(roofline.fraction(measured_ms), 4),
+    }

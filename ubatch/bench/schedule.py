@@ -19,8 +19,9 @@ from __future__ import annotations
 DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collective (assumed, not measured)
 
 
-def step_ms(num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, attention_share: float,
-            comm_stretch: float = 1.0) -> float:
+def step_ms(
+    num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, attention_share: float, comm_stretch: float = 1.0
+) -> float:
     """Makespan of one step in ``num_ubatches`` ubatches under the model above; with more than one
     ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``."""
     attention = compute_ms * attention_share / layers / num_ubatches
@@ -38,12 +39,22 @@ def step_ms(num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, a
     return max(compute_free, *ready)
 
 
-def schedule_estimates(compute_ms: float, comm_ms: float, comm_stretch: float | None, *, num_ubatches: int,
-                       layers: int, attention_share: float = DEFAULT_ATTENTION_SHARE) -> dict[str, float | None]:
+def schedule_estimates(
+    compute_ms: float,
+    comm_ms: float,
+    comm_stretch: float | None,
+    *,
+    num_ubatches: int,
+    layers: int,
+    attention_share: float = DEFAULT_ATTENTION_SHARE,
+) -> dict[str, float | None]:
     """A report row's ``schedule_model_ms`` (plain collectives) and ``schedule_model_stretched_ms``
     (collectives stretched as measured; None where the stretch is not measured)."""
+
     def model(stretch: float) -> float:
         return round(step_ms(num_ubatches, layers, compute_ms, comm_ms, attention_share, stretch), 4)
 
-    return {"schedule_model_ms": model(1.0),
-            "schedule_model_stretched_ms": None if comm_stretch is None else model(comm_stretch)}
+    return {
+        "schedule_model_ms": model(1.0),
+        "schedule_model_stretched_ms": None if comm_stretch is None else model(comm_stretch),
+    }

@@ -55,8 +55,9 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         import_before_init()  # --graphs profiles replays; the profiler would pin the default group
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -76,15 +77,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = _init_distributed(device)
     config = ModelConfig.preset(args.preset, **model_overrides(args))
     attention = attention_backend(args, device)
-    setup = {"preset": args.preset, "kind": config.kind, "num_layers": config.num_layers,
-             "num_experts": config.num_experts, "launched": args.launched}
+    setup = {
+        "preset": args.preset,
+        "kind": config.kind,
+        "num_layers": config.num_layers,
+        "num_experts": config.num_experts,
+        "launched": args.launched,
+    }
     if args.workload == "generate":
         model = build_model(config, device=device, attn_backend=attention)
         return {**_generation_report(args, config, model, attention), "setup": setup}
     group = parse_link(args.link) if args.link else dist.group.WORLD if world > 1 else None
     shards = group_rank_world(group)[1]
-    model = build_model(config, device=device, ep_group=group if config.kind == "moe" else None,
-                        tp_group=group if config.kind == "dense" else None, attn_backend=attention)
+    model = build_model(
+        config,
+        device=device,
+        ep_group=group if config.kind == "moe" else None,
+        tp_group=group if config.kind == "dense" else None,
+        attn_backend=attention,
+    )
     partition = SMPartition(args.sm_partition, args.comm_sms, device)
     if world > 1:
         partition.setup([group])
@@ -104,12 +115,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if (tokens, n) not in measured:
             step = step_at(tokens)
             if args.graphs:
-                measured[tokens, n] = measure_graphs(model, step, n, mode=GRAPH_MODES[args.workload],
-                                                     warmup=args.warmup, repeats=args.repeats, sm_partition=partition,
-                                                     chrome_trace=chrome_trace)
+                measured[tokens, n] = measure_graphs(
+                    model,
+                    step,
+                    n,
+                    mode=GRAPH_MODES[args.workload],
+                    warmup=args.warmup,
+                    repeats=args.repeats,
+                    sm_partition=partition,
+                    chrome_trace=chrome_trace,
+                )
             else:
-                measured[tokens, n] = measure(model, step, n, warmup=args.warmup, repeats=args.repeats,
-                                              sm_partition=partition)
+                measured[tokens, n] = measure(
+                    model, step, n, warmup=args.warmup, repeats=args.repeats, sm_partition=partition
+                )
         return measured[tokens, n]
 
     if args.modes:
@@ -124,43 +143,89 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profiled_trace = args.chrome_trace if args.graphs and rank == 0 and not results else None
         m = measure_at(tokens, n, profiled_trace)
         first_timeline = first_timeline or m.timeline
-        results.append({
-            "model": args.preset, "workload": args.workload, "tokens_per_rank": tokens, "num_ubatches": n,
-            "world_size": world, "label": args.label, "sm_partition": partition.effective_mode,
-            "comm_sms": partition.comm_sms_for(), **m.as_dict(),
-            **schedule_estimates(m.compute_ms, m.comm_ms, m.comm_stretch, num_ubatches=n, layers=config.num_layers,
-                                 attention_share=args.attention_share),
-            "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
-            **roofline_fields(config, step_at(tokens).attn_metadata[model.layer_names[0]], m.baseline_ms,
-                              device=device, ep_world=shards if config.kind == "moe" else 1,
-                              tp_world=shards if config.kind == "dense" else 1),
-        })
+        results.append(
+            {
+                "model": args.preset,
+                "workload": args.workload,
+                "tokens_per_rank": tokens,
+                "num_ubatches": n,
+                "world_size": world,
+                "label": args.label,
+                "sm_partition": partition.effective_mode,
+                "comm_sms": partition.comm_sms_for(),
+                **m.as_dict(),
+                **schedule_estimates(
+                    m.compute_ms,
+                    m.comm_ms,
+                    m.comm_stretch,
+                    num_ubatches=n,
+                    layers=config.num_layers,
+                    attention_share=args.attention_share,
+                ),
+                "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
+                **roofline_fields(
+                    config,
+                    step_at(tokens).attn_metadata[model.layer_names[0]],
+                    m.baseline_ms,
+                    device=device,
+                    ep_world=shards if config.kind == "moe" else 1,
+                    tp_world=shards if config.kind == "dense" else 1,
+                ),
+            }
+        )
     if args.link:
         setup["link"] = group.describe()
     report = {"setup": setup, "args": vars(args), "results": results}
     if args.policy == "auto":
-        report["auto"] = auto_policy_report(results, measure_at, tokens=args.tokens, num_ubatches=args.num_ubatches,
-                                            calibrate_tokens=args.calibrate_tokens, stages=2 * config.num_layers,
-                                            graphs=args.graphs)
+        report["auto"] = auto_policy_report(
+            results,
+            measure_at,
+            tokens=args.tokens,
+            num_ubatches=args.num_ubatches,
+            calibrate_tokens=args.calibrate_tokens,
+            stages=2 * config.num_layers,
+            graphs=args.graphs,
+        )
     if rank == 0 and args.chrome_trace and first_timeline:
         write_chrome_trace(first_timeline, args.chrome_trace)
     if rank == 0 and args.plot and first_timeline:
-        plot_timeline(first_timeline, args.plot, plot_title(results[0], preset=args.preset, workload=args.workload,
-                                                            world=world, label=args.label))
+        plot_timeline(
+            first_timeline,
+            args.plot,
+            plot_title(results[0], preset=args.preset, workload=args.workload, world=world, label=args.label),
+        )
     report["environment"] = environment(device, world, attention)
     return report
 
 
-def _generation_report(args: argparse.Namespace, config: ModelConfig, model: Any,
-                       attention: AttentionBackend) -> dict[str, Any]:
+def _generation_report(
+    args: argparse.Namespace, config: ModelConfig, model: Any, attention: AttentionBackend
+) -> dict[str, Any]:
     """Plain and speculative generation, eager (and replayed from graphs with ``--graphs``)."""
     shape = GenerationShape(args.requests, args.prompt_len, args.max_new_tokens)
     graph_modes = [False, True] if args.graphs else [False]
     with tqdm(total=len(graph_modes) * (1 + len(args.drafter) * len(args.spec_k)), desc="generations") as bar:
-        rows = generation_sweep(model, config, shape, graph_modes=graph_modes, spec_ks=args.spec_k,
-                                drafters=args.drafter, capture_sizes=capture_sizes_for(shape, max(args.spec_k)),
-                                num_ubatches=args.num_ubatches[0], progress=bar)
-    results = [{"model": args.preset, "workload": "generate", "num_requests": shape.num_requests,
-                "prompt_len": shape.prompt_len, "max_new_tokens": shape.max_new_tokens, "label": args.label, **row}
-               for row in rows]
+        rows = generation_sweep(
+            model,
+            config,
+            shape,
+            graph_modes=graph_modes,
+            spec_ks=args.spec_k,
+            drafters=args.drafter,
+            capture_sizes=capture_sizes_for(shape, max(args.spec_k)),
+            num_ubatches=args.num_ubatches[0],
+            progress=bar,
+        )
+    results = [
+        {
+            "model": args.preset,
+            "workload": "generate",
+            "num_requests": shape.num_requests,
+            "prompt_len": shape.prompt_len,
+            "max_new_tokens": shape.max_new_tokens,
+            "label": args.label,
+            **row,
+        }
+        for row in rows
+    ]
     return {"environment": environment(model.device, 1, attention), "args": vars(args), "results": results}

@@ -58,8 +58,13 @@ def make_step(
     blocks = [math.ceil(s / block_size) for s in seq_lens]
     if cache is None:
         cache = PagedKVCache(
-            model.layer_names, num_blocks=sum(blocks), block_size=block_size,
-            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=cfg.dtype, device=device,
+            model.layer_names,
+            num_blocks=sum(blocks),
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=cfg.dtype,
+            device=device,
         )
         fill = torch.Generator(device).manual_seed(seed)
         for name in model.layer_names:
@@ -67,8 +72,10 @@ def make_step(
         for name, layer in model.attention_layers.items():
             layer.kv_cache = cache[name]
     elif cache.block_size != block_size or cache.num_blocks < sum(blocks):
-        raise ValueError(f"the cache holds {cache.num_blocks} blocks of {cache.block_size}; this step needs "
-                         f"{sum(blocks)} of {block_size}")
+        raise ValueError(
+            f"the cache holds {cache.num_blocks} blocks of {cache.block_size}; this step needs "
+            f"{sum(blocks)} of {block_size}"
+        )
     table, slots, positions, first = [], [], [], 0
     for c, s, nb in zip(context_lens, seq_lens, blocks):
         table.append(list(range(first, first + nb)) + [0] * (max(blocks) - nb))
@@ -81,8 +88,11 @@ def make_step(
     if pad < 0:
         raise ValueError(f"num_tokens_padded={num_tokens_padded} is less than the {num_real} tokens")
     metadata = build_attention_metadata(
-        list(query_lens), seq_lens, torch.tensor(table, dtype=torch.int32),
-        torch.tensor(slots + [-1] * pad, dtype=torch.int64), device=device,
+        list(query_lens),
+        seq_lens,
+        torch.tensor(table, dtype=torch.int32),
+        torch.tensor(slots + [-1] * pad, dtype=torch.int64),
+        device=device,
     )
     input_ids = torch.randint(0, cfg.vocab_size, (total,), generator=gen)
     step = Step(

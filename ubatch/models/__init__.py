@@ -21,8 +21,9 @@ def build_model(
 ) -> Decoder:
     """The model ``config`` describes ("dense" or "moe"), in eval mode on ``device``."""
     if config.kind == "moe":
-        model: Decoder = MoEDecoder(config, device=device, tp_group=tp_group, ep_group=ep_group,
-                                    attn_backend=attn_backend)
+        model: Decoder = MoEDecoder(
+            config, device=device, tp_group=tp_group, ep_group=ep_group, attn_backend=attn_backend
+        )
     else:
         if ep_group is not None:
             raise ValueError("ep_group is only meaningful for a MoE config (num_experts > 0)")

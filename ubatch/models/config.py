@@ -50,15 +50,20 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.dtype = _parse_dtype(self.dtype)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             _require_positive_int(name, getattr(self, name))
         for name in ("num_experts", "top_k", "moe_intermediate_size", "num_shared_experts", "seed"):
             _require_int(name, getattr(self, name), minimum=0)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
         if not self.rope_theta > 0:
@@ -77,7 +82,7 @@ class ModelConfig:
 
     @property
     def kind(self) -> str:
-        """"moe" when the config has experts, else "dense"."""
+        """ "moe" when the config has experts, else "dense"."""
         return "moe" if self.num_experts else "dense"
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -111,13 +116,38 @@ def _require_positive_int(name: str, value: Any) -> None:
     _require_int(name, value, minimum=1)
 
 
-_TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-             intermediate_size=128, dtype=torch.float32)
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    dtype=torch.float32,
+)
 _TINY_MOE = dict(_TINY, num_experts=4, top_k=2, moe_intermediate_size=64)
-_SMALL = dict(vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
-              intermediate_size=1408, dtype=torch.bfloat16)
-_BENCH = dict(vocab_size=32000, hidden_size=4096, num_layers=8, num_heads=32, num_kv_heads=8,
-              head_dim=128, intermediate_size=14336, rope_theta=500000.0, dtype=torch.bfloat16)
+_SMALL = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=1408,
+    dtype=torch.bfloat16,
+)
+_BENCH = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    num_layers=8,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rope_theta=500000.0,
+    dtype=torch.bfloat16,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,

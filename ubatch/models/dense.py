@@ -57,12 +57,19 @@ class Decoder(nn.Module):
         self.config = config
         self.attention_layers: dict[str, Attention] = {}
         hidden, vocab = config.hidden_size, config.vocab_size
-        self.embed = frozen(init_weight((vocab, hidden), seed=config.seed, name="embed", std=1.0,
-                                        dtype=config.dtype, device=device))
+        self.embed = frozen(
+            init_weight((vocab, hidden), seed=config.seed, name="embed", std=1.0, dtype=config.dtype, device=device)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(
-                SelfAttention(config, i, registry=self.attention_layers, device=device,
-                              tp_group=tp_group, attn_backend=attn_backend),
+                SelfAttention(
+                    config,
+                    i,
+                    registry=self.attention_layers,
+                    device=device,
+                    tp_group=tp_group,
+                    attn_backend=attn_backend,
+                ),
                 make_ffn(i),
                 config,
                 device,
@@ -70,8 +77,11 @@ class Decoder(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_eps, dtype=config.dtype, device=device)
-        self.lm_head = frozen(init_weight((vocab, hidden), seed=config.seed, name="lm_head",
-                                          std=hidden**-0.5, dtype=config.dtype, device=device))
+        self.lm_head = frozen(
+            init_weight(
+                (vocab, hidden), seed=config.seed, name="lm_head", std=hidden**-0.5, dtype=config.dtype, device=device
+            )
+        )
         self.layer_names: list[str] = list(self.attention_layers)
         self.num_kv_heads: int = self.layers[0].attn.num_kv_heads
         self.head_dim: int = config.head_dim
@@ -110,7 +120,14 @@ class DenseDecoder(Decoder):
         device = torch.device(device)
 
         def make_mlp(i: int) -> nn.Module:
-            return SwiGLUMLP(config.hidden_size, config.intermediate_size, prefix=f"layers.{i}.mlp",
-                             seed=config.seed, dtype=config.dtype, device=device, tp_group=tp_group)
+            return SwiGLUMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                prefix=f"layers.{i}.mlp",
+                seed=config.seed,
+                dtype=config.dtype,
+                device=device,
+                tp_group=tp_group,
+            )
 
         super().__init__(config, make_mlp, device=device, tp_group=tp_group, attn_backend=attn_backend)

@@ -117,8 +117,7 @@ class SwiGLUMLP(nn.Module):
         self.tp_group = tp_group
 
         def weight(name: str, shape: tuple[int, int], fan_in: int) -> torch.Tensor:
-            return init_weight(shape, seed=seed, name=f"{prefix}.{name}", std=fan_in**-0.5,
-                               dtype=dtype, device=device)
+            return init_weight(shape, seed=seed, name=f"{prefix}.{name}", std=fan_in**-0.5, dtype=dtype, device=device)
 
         gate = weight("gate", (intermediate_size, hidden_size), hidden_size)
         up = weight("up", (intermediate_size, hidden_size), hidden_size)
@@ -161,8 +160,9 @@ class SelfAttention(nn.Module):
         prefix = f"layers.{layer_idx}.attn"
 
         def weight(name: str, shape: tuple[int, int], fan_in: int) -> torch.Tensor:
-            return init_weight(shape, seed=config.seed, name=f"{prefix}.{name}", std=fan_in**-0.5,
-                               dtype=config.dtype, device=device)
+            return init_weight(
+                shape, seed=config.seed, name=f"{prefix}.{name}", std=fan_in**-0.5, dtype=config.dtype, device=device
+            )
 
         q = weight("q", (config.num_heads * d, hidden), hidden)
         k = weight("k", (config.num_kv_heads * d, hidden), hidden)

@@ -85,30 +85,48 @@ class MoEFFN(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.num_local_experts = config.num_experts // world
         if self.num_local_experts > 256:
-            raise ValueError(f"{self.num_local_experts} experts per rank: at most 256 (their ids travel as "
-                             f"bf16 values in the dispatch rows)")
+            raise ValueError(
+                f"{self.num_local_experts} experts per rank: at most 256 (their ids travel as "
+                f"bf16 values in the dispatch rows)"
+            )
         hidden, inter = config.hidden_size, config.moe_intermediate_size
 
         def weight(name: str, shape: tuple[int, int], fan_in: int, dtype: torch.dtype) -> torch.Tensor:
-            return init_weight(shape, seed=config.seed, name=f"{self.name}.{name}", std=fan_in**-0.5,
-                               dtype=dtype, device=device)
+            return init_weight(
+                shape, seed=config.seed, name=f"{self.name}.{name}", std=fan_in**-0.5, dtype=dtype, device=device
+            )
 
         # The router stays in float32: bf16 logits make near-tied routing flip between batches.
         self.router = frozen(weight("router", (config.num_experts, hidden), hidden, torch.float32))
         local = range(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
-        self.w13 = frozen(torch.stack([
-            torch.cat([weight(f"experts.{e}.gate", (inter, hidden), hidden, config.dtype),
-                       weight(f"experts.{e}.up", (inter, hidden), hidden, config.dtype)])
-            for e in local
-        ]))
-        self.w2 = frozen(torch.stack([weight(f"experts.{e}.down", (hidden, inter), inter, config.dtype)
-                                      for e in local]))
+        self.w13 = frozen(
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            weight(f"experts.{e}.gate", (inter, hidden), hidden, config.dtype),
+                            weight(f"experts.{e}.up", (inter, hidden), hidden, config.dtype),
+                        ]
+                    )
+                    for e in local
+                ]
+            )
+        )
+        self.w2 = frozen(
+            torch.stack([weight(f"experts.{e}.down", (hidden, inter), inter, config.dtype) for e in local])
+        )
         self.shared = None
         if config.num_shared_experts:
-            self.shared = SwiGLUMLP(hidden, config.num_shared_experts * inter, prefix=f"{self.name}.shared",
-                                    seed=config.seed, dtype=config.dtype, device=device, tp_group=tp_group)
-        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device),
-                             persistent=False)
+            self.shared = SwiGLUMLP(
+                hidden,
+                config.num_shared_experts * inter,
+                prefix=f"{self.name}.shared",
+                seed=config.seed,
+                dtype=config.dtype,
+                device=device,
+                tp_group=tp_group,
+            )
+        self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.expert_chunks = 1
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
@@ -129,8 +147,10 @@ class MoEFFN(nn.Module):
     @expert_chunks.setter
     def expert_chunks(self, chunks: int) -> None:
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or self.num_local_experts % chunks:
-            raise ValueError(f"expert_chunks must be a positive int dividing the {self.num_local_experts} local "
-                             f"experts, got {chunks!r}")
+            raise ValueError(
+                f"expert_chunks must be a positive int dividing the {self.num_local_experts} local "
+                f"experts, got {chunks!r}"
+            )
         self._expert_chunks = chunks
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,30 +68,40 @@ def _check_inputs(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, ro
         raise TypeError(f"gate_up must be a floating-point tensor, got {gate_up.dtype}")
     if num_valid_rows is not None:
         if not isinstance(num_valid_rows, torch.Tensor):
-            raise TypeError(f"num_valid_rows must be a one-element integer tensor on the device (a host value "
-                            f"would be baked into a captured graph), got {type(num_valid_rows).__name__}")
-        if num_valid_rows.dtype.is_floating_point or num_valid_rows.dtype.is_complex or \
-                num_valid_rows.dtype == torch.bool:
+            raise TypeError(
+                f"num_valid_rows must be a one-element integer tensor on the device (a host value "
+                f"would be baked into a captured graph), got {type(num_valid_rows).__name__}"
+            )
+        if (
+            num_valid_rows.dtype.is_floating_point
+            or num_valid_rows.dtype.is_complex
+            or num_valid_rows.dtype == torch.bool
+        ):
             raise TypeError(f"num_valid_rows must be an integer tensor, got {num_valid_rows.dtype}")
         if num_valid_rows.numel() != 1:
             raise ValueError(f"num_valid_rows must hold one element, got shape {tuple(num_valid_rows.shape)}")
         if num_valid_rows.device != gate_up.device:
-            raise ValueError(f"num_valid_rows is on {num_valid_rows.device}, gate_up on {gate_up.device}: "
-                             f"the count is read on gate_up's device")
+            raise ValueError(
+                f"num_valid_rows is on {num_valid_rows.device}, gate_up on {gate_up.device}: "
+                f"the count is read on gate_up's device"
+            )
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor):
             raise TypeError(f"row_scale must be a torch.Tensor, got {type(row_scale).__name__}")
         if tuple(row_scale.shape) != (gate_up.shape[0],):
-            raise ValueError(f"row_scale must have shape ({gate_up.shape[0]},) (one per row of gate_up), "
-                             f"got {tuple(row_scale.shape)}")
+            raise ValueError(
+                f"row_scale must have shape ({gate_up.shape[0]},) (one per row of gate_up), "
+                f"got {tuple(row_scale.shape)}"
+            )
         if not row_scale.dtype.is_floating_point:
             raise TypeError(f"row_scale must be a floating-point tensor, got {row_scale.dtype}")
         if row_scale.device != gate_up.device:
             raise ValueError(f"row_scale is on {row_scale.device}, gate_up on {gate_up.device}")
 
 
-def _swiglu_eager(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None,
-                  row_scale: torch.Tensor | None) -> torch.Tensor:
+def _swiglu_eager(
+    gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, row_scale: torch.Tensor | None
+) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     out = F.silu(gate) * up
     if row_scale is not None:
@@ -102,8 +112,9 @@ def _swiglu_eager(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None,
     return out.to(gate_up.dtype)
 
 
-def _swiglu_triton(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, row_scale: torch.Tensor | None,
-                   zero_padding: bool) -> torch.Tensor:
+def _swiglu_triton(
+    gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, row_scale: torch.Tensor | None, zero_padding: bool
+) -> torch.Tensor:
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, cols, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
@@ -111,12 +122,19 @@ def _swiglu_triton(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, r
     block = min(_MAX_BLOCK, triton.next_power_of_2(cols))
     grid = (rows, triton.cdiv(cols, block))
     _swiglu_kernel[grid](
-        gate_up, out,
+        gate_up,
+        out,
         gate_up if num_valid_rows is None else num_valid_rows,  # any pointer: unread without HAS_LIMIT
         gate_up if row_scale is None else row_scale,
-        cols, gate_up.stride(0), gate_up.stride(1), 0 if row_scale is None else row_scale.stride(0),
-        HAS_LIMIT=num_valid_rows is not None, HAS_SCALE=row_scale is not None, ZERO_PADDING=zero_padding,
-        BLOCK=block, num_warps=max(1, min(4, block // 256)),
+        cols,
+        gate_up.stride(0),
+        gate_up.stride(1),
+        0 if row_scale is None else row_scale.stride(0),
+        HAS_LIMIT=num_valid_rows is not None,
+        HAS_SCALE=row_scale is not None,
+        ZERO_PADDING=zero_padding,
+        BLOCK=block,
+        num_warps=max(1, min(4, block // 256)),
     )
     return out
 
@@ -124,9 +142,20 @@ def _swiglu_triton(gate_up: torch.Tensor, num_valid_rows: torch.Tensor | None, r
 if triton is not None:
 
     @triton.jit
-    def _swiglu_kernel(gate_up_ptr, out_ptr, num_valid_ptr, scale_ptr, num_cols, stride_row, stride_col,
-                       stride_scale, HAS_LIMIT: tl.constexpr, HAS_SCALE: tl.constexpr, ZERO_PADDING: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _swiglu_kernel(
+        gate_up_ptr,
+        out_ptr,
+        num_valid_ptr,
+        scale_ptr,
+        num_cols,
+        stride_row,
+        stride_col,
+        stride_scale,
+        HAS_LIMIT: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        ZERO_PADDING: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """One program per (row, block of columns). A padding row's programs read only the row count, so the
         padding's input bytes are never touched."""
         row = tl.program_id(0).to(tl.int64)

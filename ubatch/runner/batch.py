@@ -30,7 +30,7 @@ class Request:
 
     @property
     def output(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_decoding(self) -> bool:
@@ -66,7 +66,7 @@ class Chunk:
 
     @property
     def input_ids(self) -> list[int]:
-        return self.request.token_ids[self.start:self.start + self.num_tokens] + list(self.draft_token_ids)
+        return self.request.token_ids[self.start : self.start + self.num_tokens] + list(self.draft_token_ids)
 
 
 @dataclass
@@ -97,8 +97,14 @@ class StepOutput:
     num_accepted_tokens: int = 0
 
 
-def build_batch_inputs(chunks: Sequence[Chunk], *, block_size: int, layer_names: Sequence[str],
-                       device: torch.device, num_tokens_padded: int | None = None) -> BatchInputs:
+def build_batch_inputs(
+    chunks: Sequence[Chunk],
+    *,
+    block_size: int,
+    layer_names: Sequence[str],
+    device: torch.device,
+    num_tokens_padded: int | None = None,
+) -> BatchInputs:
     """Flattened token ids / positions, block table, slot mapping and attention metadata,
     padded at the end to ``num_tokens_padded`` (padding: token 0, position 0, slot -1; no
     chunks at all makes a step of padding only)."""

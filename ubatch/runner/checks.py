@@ -29,13 +29,16 @@ def per_prompt_limits(prompts: Any, max_new_tokens: Any) -> list[Any]:
         raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise TypeError(f"prompts must be a list of token-id lists, but prompt {i} is {prompt!r} "
-                            f"({type(prompt).__name__})")
+            raise TypeError(
+                f"prompts must be a list of token-id lists, but prompt {i} is {prompt!r} ({type(prompt).__name__})"
+            )
     if isinstance(max_new_tokens, int):
         return [max_new_tokens] * len(prompts)
     if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Sequence):
-        raise TypeError(f"max_new_tokens must be an int or a list of ints (one per prompt), got "
-                        f"{max_new_tokens!r} ({type(max_new_tokens).__name__})")
+        raise TypeError(
+            f"max_new_tokens must be an int or a list of ints (one per prompt), got "
+            f"{max_new_tokens!r} ({type(max_new_tokens).__name__})"
+        )
     limits = list(max_new_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
@@ -54,8 +57,9 @@ def checked_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int
         try:
             prompt.append(operator.index(token))
         except TypeError:
-            raise TypeError(f"prompt token at index {i} must be an integer, got {token!r} "
-                            f"({type(token).__name__})") from None
+            raise TypeError(
+                f"prompt token at index {i} must be an integer, got {token!r} ({type(token).__name__})"
+            ) from None
     if not prompt:
         raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
     for i, token in enumerate(prompt):
@@ -78,8 +82,10 @@ def check_vocab(model: Decoder, config: ModelConfig) -> None:
             sizes[f"the model's {name} rows"] = weight.shape[0]
     if len(set(sizes.values())) > 1:
         found = ", ".join(f"{name}={size}" for name, size in sizes.items())
-        raise ValueError(f"the model's vocabulary does not match its config: {found}; build the model from "
-                         f"the config passed to the runner")
+        raise ValueError(
+            f"the model's vocabulary does not match its config: {found}; build the model from "
+            f"the config passed to the runner"
+        )
 
 
 def check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
@@ -100,5 +106,4 @@ def check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
 
 def is_local(model: Decoder) -> bool:
     """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
-    return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None
-               for m in model.modules())
+    return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None for m in model.modules())

@@ -39,8 +39,14 @@ from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.policy import SplitPolicy
 from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_batch_inputs
-from ubatch.runner.checks import (check_count, check_dp_covers_ep, check_vocab, checked_prompt, is_local,
-                                  per_prompt_limits)
+from ubatch.runner.checks import (
+    check_count,
+    check_dp_covers_ep,
+    check_vocab,
+    checked_prompt,
+    is_local,
+    per_prompt_limits,
+)
 from ubatch.runner.scheduling import RequestScheduler
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
@@ -83,9 +89,13 @@ class ModelRunner:
         num_speculative_tokens: int | None = None,
         split_policy: SplitPolicy | None = None,
     ) -> None:
-        for name, value in (("num_kv_blocks", num_kv_blocks), ("block_size", block_size),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs), ("num_ubatches", num_ubatches)):
+        for name, value in (
+            ("num_kv_blocks", num_kv_blocks),
+            ("block_size", block_size),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("num_ubatches", num_ubatches),
+        ):
             check_count(name, value)
         if max_model_len is not None:
             check_count("max_model_len", max_model_len)
@@ -103,13 +113,22 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.kv_cache = PagedKVCache(model.layer_names, num_blocks=num_kv_blocks, block_size=block_size,
-                                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                                     dtype=config.dtype, device=self.device)
+        self.kv_cache = PagedKVCache(
+            model.layer_names,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=config.dtype,
+            device=self.device,
+        )
         self.num_ubatches = num_ubatches
         self.split_policy = split_policy
-        self.runnable = (UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
-                         if num_ubatches > 1 else model)
+        self.runnable = (
+            UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
+            if num_ubatches > 1
+            else model
+        )
         self._init_dp(dp_group, timeout_s)
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
@@ -117,8 +136,11 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens or 0
         self.spec_stats = SpecStats()
         self.scheduler = RequestScheduler(
-            num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, num_speculative_tokens=self.num_speculative_tokens,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         self.graphs = self._make_graphs(cudagraph_capture_sizes)
 
@@ -127,8 +149,9 @@ class ModelRunner:
         """The KV block free list (the scheduler's)."""
         return self.scheduler.block_pool
 
-    def _make_drafter(self, draft_model: Decoder | None, k: int | None,
-                      capture_sizes: Sequence[int] | None) -> DraftModel | None:
+    def _make_drafter(
+        self, draft_model: Decoder | None, k: int | None, capture_sizes: Sequence[int] | None
+    ) -> DraftModel | None:
         """The drafter, after checking it can serve this runner's target; it captures graphs
         of its own at the target's sizes."""
         if draft_model is None and k is None:
@@ -152,9 +175,14 @@ class ModelRunner:
                 "with dp_group the draft model must run locally on each rank (no tp_group or "
                 "ep_group): ranks draft different numbers of steps, so its collectives would not match"
             )
-        return DraftModel(draft_model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
-                          capture_sizes=capture_sizes if capture_sizes and self.device.type == "cuda" else None,
-                          max_blocks_per_req=self._max_blocks_per_req, catch_up_width=k + 1)
+        return DraftModel(
+            draft_model,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            capture_sizes=capture_sizes if capture_sizes and self.device.type == "cuda" else None,
+            max_blocks_per_req=self._max_blocks_per_req,
+            catch_up_width=k + 1,
+        )
 
     @property
     def _max_blocks_per_req(self) -> int:
@@ -169,9 +197,13 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
         per_request = 1 + self.num_speculative_tokens
-        return GraphedModel(self.model, capture_sizes=sizes_with_multiples(capture_sizes, [per_request]),
-                            max_blocks_per_req=self._max_blocks_per_req,
-                            ubatch_counts=sorted({1, self.num_ubatches}), uniform_token_count=per_request)
+        return GraphedModel(
+            self.model,
+            capture_sizes=sizes_with_multiples(capture_sizes, [per_request]),
+            max_blocks_per_req=self._max_blocks_per_req,
+            ubatch_counts=sorted({1, self.num_ubatches}),
+            uniform_token_count=per_request,
+        )
 
     def capture_graphs(self) -> None:
         """Capture every graph (on every DP rank, which captures the same collectives)."""
@@ -190,11 +222,15 @@ class ModelRunner:
         rank. The runner is left idle, every KV block free and ``spec_stats`` zeroed."""
         check_count("num_requests", num_requests)
         check_count("max_new_tokens", max_new_tokens)
-        longest = min(self.max_num_batched_tokens, self.max_model_len - max_new_tokens,
-                      self.num_kv_blocks * self.block_size - max_new_tokens)
+        longest = min(
+            self.max_num_batched_tokens,
+            self.max_model_len - max_new_tokens,
+            self.num_kv_blocks * self.block_size - max_new_tokens,
+        )
         if longest < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
-                             f"(max_model_len={self.max_model_len})")
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} leaves no room for a prompt (max_model_len={self.max_model_len})"
+            )
         g = torch.Generator().manual_seed(seed)
         prompt_lens = [max(1, longest * (i + 1) // num_requests) for i in range(num_requests)]
         prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
@@ -278,25 +314,44 @@ class ModelRunner:
         chunks = self.propose_drafts(self.schedule())
         query_lens = [c.query_len for c in chunks]
         graph = self._propose_graph(query_lens)
-        decision = self.decide(sum(query_lens), num_tokens_padded=graph.num_tokens if graph else None,
-                               cudagraph_mode=graph.cg_mode if graph else CUDAGraphMode.NONE)
+        decision = self.decide(
+            sum(query_lens),
+            num_tokens_padded=graph.num_tokens if graph else None,
+            cudagraph_mode=graph.cg_mode if graph else CUDAGraphMode.NONE,
+        )
         across = decision.num_tokens_across_dp
         if not any(across):
             return StepOutput(num_tokens_across_dp=across)
         num_tokens = across[self.dp_rank]
         batch = self.build_inputs(chunks, num_tokens_padded=num_tokens)
         num_ubatches = self.num_ubatches if decision.should_ubatch else 1
-        graph = self.graphs.plan(sum(query_lens), len(query_lens), _uniform(query_lens), num_ubatches=num_ubatches,
-                                 num_tokens_padded=num_tokens, max_mode=decision.cudagraph_mode) if graph else None
+        graph = (
+            self.graphs.plan(
+                sum(query_lens),
+                len(query_lens),
+                _uniform(query_lens),
+                num_ubatches=num_ubatches,
+                num_tokens_padded=num_tokens,
+                max_mode=decision.cudagraph_mode,
+            )
+            if graph
+            else None
+        )
         if graph is not None:
-            hidden = self.graphs.replay(graph, batch.input_ids, batch.positions,
-                                        batch.attn_metadata[self.model.layer_names[0]])
+            hidden = self.graphs.replay(
+                graph, batch.input_ids, batch.positions, batch.attn_metadata[self.model.layer_names[0]]
+            )
         else:
             slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 else None
-            hidden = self.execute_model(batch.input_ids, batch.positions, batch.attn_metadata,
-                                        slot_mapping=batch.slot_mapping, num_tokens=num_tokens,
-                                        num_tokens_across_dp=across if self._dp_group is not None else None,
-                                        ubatch_slices=slices)
+            hidden = self.execute_model(
+                batch.input_ids,
+                batch.positions,
+                batch.attn_metadata,
+                slot_mapping=batch.slot_mapping,
+                num_tokens=num_tokens,
+                num_tokens_across_dp=across if self._dp_group is not None else None,
+                ubatch_slices=slices,
+            )
         tokens = self.sample(hidden, batch.logits_indices)
         self.check_overflow()
         out = self.update(chunks, tokens)
@@ -324,13 +379,15 @@ class ModelRunner:
         wanted = [c for c in chunks if c.num_drafts]
         if not wanted:
             return chunks
-        proposals = self.drafter.propose([
-            DraftRequest(c.request.request_id, c.request.token_ids, c.request.blocks, c.num_drafts)
-            for c in wanted
-        ], skip_attention=skip_attention)
+        proposals = self.drafter.propose(
+            [DraftRequest(c.request.request_id, c.request.token_ids, c.request.blocks, c.num_drafts) for c in wanted],
+            skip_attention=skip_attention,
+        )
         by_request = {c.request.request_id: tuple(d) for c, d in zip(wanted, proposals)}
-        return [dataclasses.replace(c, draft_token_ids=by_request[c.request.request_id]) if c.num_drafts else c
-                for c in chunks]
+        return [
+            dataclasses.replace(c, draft_token_ids=by_request[c.request.request_id]) if c.num_drafts else c
+            for c in chunks
+        ]
 
     def _forget_drafts(self, request: Request) -> None:
         """The drafter's state for a request whose KV blocks were just freed goes with them."""
@@ -343,19 +400,30 @@ class ModelRunner:
             return None
         return self.graphs.plan(sum(query_lens), len(query_lens), _uniform(query_lens))
 
-    def decide(self, num_tokens: int, num_tokens_padded: int | None = None,
-               cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> DPBatchDecision:
+    def decide(
+        self, num_tokens: int, num_tokens_padded: int | None = None, cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    ) -> DPBatchDecision:
         """This step's ubatch decision, graph mode and per-rank token counts: voted across the DP
         group, or local without one. Expert-parallel ranks always run the maximum count."""
         policy = self.split_policy
         wants_ubatch = self.num_ubatches > 1 and (policy is None or policy.decide(num_tokens) > 1)
         padded = num_tokens if num_tokens_padded is None else num_tokens_padded
         if self._dp_group is None:
-            return local_batch_decision(num_tokens, padded, wants_ubatch=wants_ubatch,
-                                        cudagraph_mode=cudagraph_mode, num_ubatches=self.num_ubatches)
-        decision = coordinate_batch_across_dp(num_tokens, padded, wants_ubatch=wants_ubatch,
-                                              cudagraph_mode=cudagraph_mode,
-                                              num_ubatches=self.num_ubatches, group=self._dp_group)
+            return local_batch_decision(
+                num_tokens,
+                padded,
+                wants_ubatch=wants_ubatch,
+                cudagraph_mode=cudagraph_mode,
+                num_ubatches=self.num_ubatches,
+            )
+        decision = coordinate_batch_across_dp(
+            num_tokens,
+            padded,
+            wants_ubatch=wants_ubatch,
+            cudagraph_mode=cudagraph_mode,
+            num_ubatches=self.num_ubatches,
+            group=self._dp_group,
+        )
         if self._pad_to_max:
             most = max(decision.num_tokens_across_dp)
             decision = dataclasses.replace(decision, num_tokens_across_dp=[most] * self.dp_size)
@@ -387,8 +455,13 @@ class ModelRunner:
 
     def build_inputs(self, chunks: list[Chunk], num_tokens_padded: int | None = None) -> BatchInputs:
         """This step's device inputs (see ``build_batch_inputs``)."""
-        return build_batch_inputs(chunks, block_size=self.block_size, layer_names=self.model.layer_names,
-                                  device=self.device, num_tokens_padded=num_tokens_padded)
+        return build_batch_inputs(
+            chunks,
+            block_size=self.block_size,
+            layer_names=self.model.layer_names,
+            device=self.device,
+            num_tokens_padded=num_tokens_padded,
+        )
 
     def execute_model(
         self,
@@ -448,8 +521,9 @@ class ModelRunner:
             request = chunk.request
             request.num_computed = chunk.start + chunk.num_tokens
             if chunk.reaches_end:
-                self._append(request, chunk.draft_token_ids,
-                             [next(sampled) for _ in range(1 + len(chunk.draft_token_ids))], out)
+                self._append(
+                    request, chunk.draft_token_ids, [next(sampled) for _ in range(1 + len(chunk.draft_token_ids))], out
+                )
             if request.is_finished:
                 self.scheduler.finish(request)
                 self._forget_drafts(request)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+
 from ubatch.attention import BlockPool
 from ubatch.runner.batch import Chunk, Request
 
@@ -26,8 +27,15 @@ logger = logging.getLogger(__name__)
 class RequestScheduler:
     """The requests in flight, in arrival order, and the KV blocks they hold."""
 
-    def __init__(self, *, num_kv_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 num_speculative_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.block_pool = BlockPool(num_kv_blocks)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,8 +92,7 @@ class RequestScheduler:
                 break
             # An earlier decode may have preempted this request; then it prefills again.
             num_drafts = self._num_drafts(request, budget)
-            if not request.is_decoding or not self._make_room_for_decode(request, scheduled, 1 + num_drafts,
-                                                                         preempted):
+            if not request.is_decoding or not self._make_room_for_decode(request, scheduled, 1 + num_drafts, preempted):
                 continue
             chunks.append(self._take(request, 1, num_drafts))
             scheduled.add(request.request_id)
@@ -120,8 +127,9 @@ class RequestScheduler:
             request.blocks += self.block_pool.allocate(short)
         return Chunk(request, request.num_computed, num_new, num_drafts)
 
-    def _make_room_for_decode(self, request: Request, protected: set[int], num_new: int,
-                              preempted: list[Request]) -> bool:
+    def _make_room_for_decode(
+        self, request: Request, protected: set[int], num_new: int, preempted: list[Request]
+    ) -> bool:
         """Preempt later requests until ``request`` can grow by ``num_new`` tokens; False if it
         was itself preempted (or nothing could be)."""
         while self._blocks_short(request, num_new) > self.block_pool.num_free:
@@ -140,8 +148,9 @@ class RequestScheduler:
         return None
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
-        logger.info("KV cache full: preempting request %d (%d tokens) for recompute",
-                    request.request_id, request.num_tokens)
+        logger.info(
+            "KV cache full: preempting request %d (%d tokens) for recompute", request.request_id, request.num_tokens
+        )
         self._release(request)
         request.num_computed = 0
         preempted.append(request)

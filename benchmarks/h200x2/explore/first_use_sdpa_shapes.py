@@ -7,6 +7,7 @@ the evidence for that change. cold 7.6 s with cuDNN (6.3 s of it first calls of 
 
     PYTHONPATH=. python benchmarks/h200x2/explore/first_use_sdpa_shapes.py default
 """
+
 import collections
 import contextlib
 import json
@@ -36,8 +37,11 @@ def timed_sdpa(q, k, v, **kw):
 
 F.scaled_dot_product_attention = timed_sdpa
 mode = sys.argv[1]
-choice = contextlib.nullcontext() if mode == "default" else sdpa_kernel(
-    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+choice = (
+    contextlib.nullcontext()
+    if mode == "default"
+    else sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+)
 with choice:
     row = first_use_cost.main(["--sdpa", "default"])
 half = len(calls) // 2
@@ -49,6 +53,17 @@ for name, part in (("cold", calls[:half]), ("warm", calls[half:])):
     first = sum(v[0] for v in by_shape.values())
     rest = sum(sum(v[1:]) for v in by_shape.values())
     slow = sorted(((v[0], k) for k, v in by_shape.items()), reverse=True)[:5]
-    print(json.dumps({"mode": mode, "pass": name, "calls": len(part), "shapes": len(by_shape), "kinds": kinds,
-                      "first_call_s": round(first, 3), "later_calls_s": round(rest, 3),
-                      "slowest_first_calls": [(round(s * 1e3, 1), str(k)) for s, k in slow]}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "pass": name,
+                "calls": len(part),
+                "shapes": len(by_shape),
+                "kinds": kinds,
+                "first_call_s": round(first, 3),
+                "later_calls_s": round(rest, 3),
+                "slowest_first_calls": [(round(s * 1e3, 1), str(k)) for s, k in slow],
+            }
+        )
+    )

@@ -8,6 +8,7 @@ prompts of 512).
 
     PYTHONPATH=.:<flash-attn 4 site> python benchmarks/h200x2/explore/flash_attn4_paged.py
 """
+
 import json
 import statistics
 import time
@@ -32,10 +33,11 @@ def batch(query_lens, seq_lens, block):
     table = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
     perm, used = torch.randperm(sum(per_req)), 0
     for r, n in enumerate(per_req):
-        table[r, :n] = perm[used:used + n]
+        table[r, :n] = perm[used : used + n]
         used += n
-    md = build_attention_metadata(query_lens, seq_lens, table, torch.zeros(sum(query_lens), dtype=torch.int64),
-                                  device=dev)
+    md = build_attention_metadata(
+        query_lens, seq_lens, table, torch.zeros(sum(query_lens), dtype=torch.int64), device=dev
+    )
     cache = torch.randn(2, sum(per_req), block, KVH, D, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(sum(query_lens), H, D, device=dev, dtype=torch.bfloat16, generator=g)
     return q, cache, md
@@ -68,9 +70,10 @@ for block in (16, 128):
         q, cache, md = batch(query_lens, seq_lens, block)
         row = {"batch": name, "block_size": block, "tokens": md.num_actual_tokens}
         ref, row["torch_first_ms"], row["torch_ms"] = first_and_warm_ms(
-            lambda: torch_backend.forward(q, cache, md, D ** -0.5))
+            lambda: torch_backend.forward(q, cache, md, D**-0.5)
+        )
         if flash is not None:
-            out, row["fa4_first_ms"], row["fa4_ms"] = first_and_warm_ms(lambda: flash.forward(q, cache, md, D ** -0.5))
+            out, row["fa4_first_ms"], row["fa4_ms"] = first_and_warm_ms(lambda: flash.forward(q, cache, md, D**-0.5))
             row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
             row["torch_over_fa4"] = round(row["torch_ms"] / row["fa4_ms"], 2)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

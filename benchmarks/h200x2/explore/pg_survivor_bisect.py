@@ -5,6 +5,7 @@ Prints the group's refcount after the run and whether it survives destroy_proces
 Result (pg_survivor_bisect.log): only the profiled run keeps it. The 10 extra references are the
 default arguments of torch.distributed.nn.functional (group=group.WORLD), imported lazily by
 torch.profiler; ubatch.teardown.import_before_init is the fix."""
+
 import sys
 import weakref
 

@@ -9,6 +9,7 @@ Result (sdpa_masked_decode_paths.log): cuDNN 0.06-0.49 ms, math 0.20-25 ms, expa
 0.08-13 ms from 8 x 272 to 1024 x 512 (requests x keys). Warm, math loses 3-51x and expanded
 efficient 1.3-27x, so masked runs keep cuDNN and its plans.
 """
+
 import json
 
 import torch
@@ -47,8 +48,11 @@ def paths(reqs, keys, heads=32, kv_heads=8, dim=128):
 
     ref = gqa(SDPBackend.MATH).float()
     row = {"reqs": reqs, "keys": keys}
-    for name, fn in (("cudnn", lambda: gqa(SDPBackend.CUDNN_ATTENTION)), ("math", lambda: gqa(SDPBackend.MATH)),
-                     ("efficient_expanded", expanded_efficient)):
+    for name, fn in (
+        ("cudnn", lambda: gqa(SDPBackend.CUDNN_ATTENTION)),
+        ("math", lambda: gqa(SDPBackend.MATH)),
+        ("efficient_expanded", expanded_efficient),
+    ):
         err = (fn().float() - ref).abs().max().item()
         row[name + "_ms"] = round(timed_ms(fn), 4)
         row[name + "_max_err"] = round(err, 4)

@@ -7,6 +7,7 @@ padded [R * L] layout with seqused_k; first-call and warm times for a series of 
 
     PYTHONPATH=. python benchmarks/h200x2/explore/varlen_builtin_flash.py
 """
+
 import inspect
 import json
 import time
@@ -19,8 +20,16 @@ try:
 except ImportError:
     varlen_attn = None
 flash = torch.ops.aten._flash_attention_forward.default
-print(json.dumps({"torch": torch.__version__, "varlen_attn": varlen_attn and str(inspect.signature(varlen_attn)),
-                  "aten_flash": str(flash._schema)}), flush=True)
+print(
+    json.dumps(
+        {
+            "torch": torch.__version__,
+            "varlen_attn": varlen_attn and str(inspect.signature(varlen_attn)),
+            "aten_flash": str(flash._schema),
+        }
+    ),
+    flush=True,
+)
 H, KVH, D = 32, 8, 128
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)
@@ -35,7 +44,7 @@ def batch(query_lens, context_lens, block_size, num_blocks=4096):
     table = torch.zeros(len(seq), width, dtype=torch.int32, device=dev)
     used = 0
     for r, n in enumerate(per_req):
-        table[r, :n] = perm[used:used + n]
+        table[r, :n] = perm[used : used + n]
         used += n
     cache = torch.randn(2, num_blocks, block_size, KVH, D, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(sum(query_lens), H, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -51,24 +60,42 @@ def reference(q, cache, table, seq, starts):
         qr = q[s:e].transpose(0, 1).unsqueeze(0)
         mask = torch.arange(n, device=dev)[None] <= (torch.arange(e - s, device=dev) + n - (e - s))[:, None]
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-            o = F.scaled_dot_product_attention(qr.float(), k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
-                                               attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qr.float(),
+                k.transpose(0, 1)[None].float(),
+                v.transpose(0, 1)[None].float(),
+                attn_mask=mask,
+                enable_gqa=True,
+            )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out)
 
 
 def paged(q, cache, table, seq, starts):
     """The aten op (torch 2.11's varlen_attn has no seqused_k / block_table); GQA is native."""
-    return flash(q, cache[0], cache[1], starts, None, int((starts[1:] - starts[:-1]).max()), int(seq.max()), 0.0, True,
-                 False, seqused_k=seq, block_table=table)[0]
+    return flash(
+        q,
+        cache[0],
+        cache[1],
+        starts,
+        None,
+        int((starts[1:] - starts[:-1]).max()),
+        int(seq.max()),
+        0.0,
+        True,
+        False,
+        seqused_k=seq,
+        block_table=table,
+    )[0]
 
 
 def gathered(q, cache, table, seq, starts):
     k, v = (cache[i].index_select(0, table.flatten()).flatten(0, 1) for i in (0, 1))  # [R * L, KVH, D]
     length = table.shape[1] * cache.shape[2]
     cu_k = torch.arange(0, (table.shape[0] + 1) * length, length, dtype=torch.int32, device=dev)
-    return flash(q, k, v, starts, cu_k, int((starts[1:] - starts[:-1]).max()), length, 0.0, True, False,
-                 seqused_k=seq)[0]
+    return flash(q, k, v, starts, cu_k, int((starts[1:] - starts[:-1]).max()), length, 0.0, True, False, seqused_k=seq)[
+        0
+    ]
 
 
 def timed(fn, *args):
@@ -95,6 +122,15 @@ for name, fn in (("paged", paged), ("gathered", gathered)):
             a = batch(*shape, block_size=block_size, num_blocks=4096 if block_size == 16 else 512)
             firsts.append(timed(fn, *a)[1])
             warms.append(min(timed(fn, *a)[1] for _ in range(5)))
-        print(json.dumps({"path": name, "block_size": block_size, "max_err_vs_math": round(err, 4),
-                          "first_call_ms": [round(x, 2) for x in firsts], "warm_ms": [round(x, 3) for x in warms]}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "path": name,
+                    "block_size": block_size,
+                    "max_err_vs_math": round(err, 4),
+                    "first_call_ms": [round(x, 2) for x in firsts],
+                    "warm_ms": [round(x, 3) for x in warms],
+                }
+            ),
+            flush=True,
+        )

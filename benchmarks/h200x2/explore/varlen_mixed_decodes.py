@@ -7,6 +7,7 @@ does now), the SDPA runs (cuDNN, plans built in the warm-up), and the parts alon
 
     PYTHONPATH=. python benchmarks/h200x2/explore/varlen_mixed_decodes.py
 """
+
 import json
 import statistics
 
@@ -29,10 +30,11 @@ def mixed_batch(tokens: int, prompt_len: int = 512, context: int = 512):
     table = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
     perm, used = torch.randperm(sum(per_req)), 0
     for r, n in enumerate(per_req):
-        table[r, :n] = perm[used:used + n]
+        table[r, :n] = perm[used : used + n]
         used += n
-    md = build_attention_metadata(query_lens, seq_lens, table, torch.zeros(sum(query_lens), dtype=torch.int64),
-                                  device=dev)
+    md = build_attention_metadata(
+        query_lens, seq_lens, table, torch.zeros(sum(query_lens), dtype=torch.int64), device=dev
+    )
     cache = torch.randn(2, sum(per_req), BLOCK, KVH, D, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(sum(query_lens), H, D, device=dev, dtype=torch.bfloat16, generator=g)
     return q, cache, md, decodes
@@ -40,7 +42,7 @@ def mixed_batch(tokens: int, prompt_len: int = 512, context: int = 512):
 
 def one_call(q, cache, md):
     blocks, cum_k, max_k = packed_slots(md.block_table, md.seq_lens, md.seq_lens_cpu, BLOCK)
-    return _attend(q, cache, blocks, md.query_start_loc, cum_k, md.max_query_len, max_k, md.seq_lens, True, D ** -0.5)
+    return _attend(q, cache, blocks, md.query_start_loc, cum_k, md.max_query_len, max_k, md.seq_lens, True, D**-0.5)
 
 
 def gather_only(q, cache, md):
@@ -66,18 +68,22 @@ print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(
 sdpa = TorchBackend(builtin_flash=False)
 for tokens in (1024, 4096):
     q, cache, md, decodes = mixed_batch(tokens)
-    split = varlen_flash_attention(q, cache, md, D ** -0.5)
+    split = varlen_flash_attention(q, cache, md, D**-0.5)
     whole = one_call(q, cache, md)
-    runs = sdpa.forward(q, cache, md, D ** -0.5)
-    row = {"tokens": tokens, "decodes": decodes,
-           "max_err_split_vs_one_call": (split.float() - whole.float()).abs().max().item(),
-           "max_err_split_vs_sdpa": (split.float() - runs.float()).abs().max().item(),
-           "one_call_ms": median_ms(one_call, q, cache, md),
-           "decodes_apart_ms": median_ms(varlen_flash_attention, q, cache, md, D ** -0.5),
-           "sdpa_runs_ms": median_ms(sdpa.forward, q, cache, md, D ** -0.5),
-           "gather_all_ms": median_ms(gather_only, q, cache, md)}
+    runs = sdpa.forward(q, cache, md, D**-0.5)
+    row = {
+        "tokens": tokens,
+        "decodes": decodes,
+        "max_err_split_vs_one_call": (split.float() - whole.float()).abs().max().item(),
+        "max_err_split_vs_sdpa": (split.float() - runs.float()).abs().max().item(),
+        "one_call_ms": median_ms(one_call, q, cache, md),
+        "decodes_apart_ms": median_ms(varlen_flash_attention, q, cache, md, D**-0.5),
+        "sdpa_runs_ms": median_ms(sdpa.forward, q, cache, md, D**-0.5),
+        "gather_all_ms": median_ms(gather_only, q, cache, md),
+    }
     n = decodes
-    dec = build_attention_metadata([1] * n, md.seq_lens_cpu[:n].tolist(), md.block_table[:n].cpu(),
-                                   torch.zeros(n, dtype=torch.int64), device=dev)
-    row["decodes_alone_ms"] = median_ms(varlen_flash_attention, q[:n], cache, dec, D ** -0.5)
+    dec = build_attention_metadata(
+        [1] * n, md.seq_lens_cpu[:n].tolist(), md.block_table[:n].cpu(), torch.zeros(n, dtype=torch.int64), device=dev
+    )
+    row["decodes_alone_ms"] = median_ms(varlen_flash_attention, q[:n], cache, dec, D**-0.5)
     print(json.dumps(row), flush=True)
