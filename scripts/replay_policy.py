@@ -1,10 +1,10 @@
-"""How the split policy, as the code now stands, does on saved ``ubatch-bench --policy auto`` runs.
+"""How the current split policy does on saved ``ubatch-bench --policy auto`` runs.
 
 ``python scripts/replay_policy.py [report.json ...] [--min-gain 1.05]`` (default: every eager
 ``--policy auto`` report under ``benchmarks/``) recalibrates from each report's calibration,
 decides every sweep point again and prints the pick beside the best measured count, as the
-ratio of their measured times. Exits 1 when a pick falls below ``--floor`` (0.97, issue #7's
-target) of the best.
+ratio of their measured times. Exits 1 when a pick falls below ``--floor`` (0.97, the policy's
+target: never worse than 0.97x of the best measured choice) of the best.
 """
 
 from __future__ import annotations

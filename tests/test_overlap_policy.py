@@ -149,3 +149,15 @@ def test_bench_refuses_bad_modes_and_links_before_the_run(argv, message, capsys)
     with pytest.raises(SystemExit) as exc:
         parse_args(["--device", "cpu", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_public_policies_answer_split_this_step_in_two_lines():
+    import ubatch
+
+    policy = ubatch.ModePolicy(
+        {"unsplit": {256: 7.6, 1024: 18.2}, "pipeline2": {256: 8.1, 1024: 19.0}, "split2": {256: 13.3, 1024: 23.4}}
+    )
+    assert ubatch.OverlapMode.parse(policy.decide(512)) == ubatch.OverlapMode()
+    costs = ubatch.calibrate(lambda t: (t / 100, t / 100), lambda t, n: t / 100 * (2 if n == 1 else 1.1), [256, 2048])
+    policy = ubatch.SplitPolicy(costs, candidates=(1, 2))
+    assert policy.decide(2048) == 2 and policy.decide(1) == 1

@@ -1,7 +1,8 @@
 """SMPartition: validation and the degrade-to-none path on CPU; disjoint green partitions that run
 two kernels concurrently (eager and in graph replay), the start-up self-check and the capped NCCL
 communicator on GPUs. GPU thresholds are set for an H200 (132 SMs): a 16-SM comm partition beside
-a 116-SM compute one hid 86-89% of the shorter kernel there (DESIGN.md); the tests ask for 50%."""
+a 116-SM compute one hid 94% of a copy kernel there (benchmarks/h200x2/sm_h200x2.json); the tests
+ask for 50%."""
 
 from __future__ import annotations
 

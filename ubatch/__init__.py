@@ -10,6 +10,9 @@ from ubatch.context import (
     set_forward_context,
 )
 from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
+from ubatch.link import HostLink
+from ubatch.overlap import OverlapMode
+from ubatch.policy import ModePolicy, SplitPolicy, StepCosts, calibrate
 from ubatch.scheduler import current_ubatch_id, yield_ubatch
 from ubatch.slicing import UBatchSlice, split_batch
 from ubatch.wrapper import UBatchWrapper
@@ -21,8 +24,14 @@ __all__ = [
     "CudaGraphManager",
     "DPMetadata",
     "ForwardContext",
+    "HostLink",
+    "ModePolicy",
+    "OverlapMode",
+    "SplitPolicy",
+    "StepCosts",
     "UBatchSlice",
     "UBatchWrapper",
+    "calibrate",
     "current_ubatch_id",
     "get_forward_context",
     "override_forward_context",

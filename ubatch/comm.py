@@ -9,7 +9,7 @@ group of one rank) the collective is a local copy, so the reference models run i
 Outputs are passed in by the caller, who allocates them on the compute stream that consumes
 them, and the input is held until the compute stream has waited for the transfer: the comm
 stream never owns a block that the compute stream could reuse too early (the cross-stream
-allocator hazard in DESIGN.md).
+allocator hazard, docs/design.md#invariants).
 """
 
 from __future__ import annotations

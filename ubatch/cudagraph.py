@@ -11,7 +11,7 @@ replayed through the scheduler so that collectives still overlap. By default att
 profiling path during the warm-up and capture of a PIECEWISE descriptor; with
 ``use_breakable_cg`` it runs there too.
 
-The rule that ended the bug this project started from: whether attention is skipped during a
+The rule that keeps a capture from running attention on dummy inputs: whether attention is skipped during a
 descriptor's warm-up and capture is decided here, from the descriptor's target mode, and fixed
 for every forward context built inside (``capture_scope``), never derived from the runtime mode
 argument that the warm-up pass receives as NONE.

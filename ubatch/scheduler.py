@@ -282,7 +282,8 @@ class UBatchScheduler:
     def prepare(self) -> None:
         """Create this thread's workers and every stream's cuBLAS handle before any graph capture.
 
-        A cuBLAS handle created inside a capture breaks it (DESIGN.md), so touch one per stream.
+        A cuBLAS handle created inside a capture breaks it (docs/cuda-graphs.md), so touch one
+        per stream.
         """
         self._pool()
         if self.is_cuda:

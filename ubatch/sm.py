@@ -1,7 +1,7 @@
 """SM partitioning between ubatch compute and communication.
 
 Why: by default persistent GEMMs take every SM and the collectives queue behind them, so overlap
-hides almost nothing (DESIGN.md, "Facts measured on an H200"). ``SMPartition`` is the policy the
+hides almost nothing (docs/sm-partition.md). ``SMPartition`` is the policy the
 scheduler and wrapper consult for streams, communicators and GEMM launches. Modes:
 
 - ``"green"``: compute streams on a green context of ``total - comm_sms`` SMs and the comm stream
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 MODES = ("none", "green", "cooperative")
 PHASES = ("prefill", "decode")
-# The 116/16 split that hid 86-89% of a copy beside a GEMM on an H200 (DESIGN.md).
+# The 116/16 split that hid 94% of an SM copy kernel beside a GEMM loop on two H200s
+# (benchmarks/h200x2/sm_h200x2.json, docs/sm-partition.md).
 DEFAULT_COMM_SMS = 16
 # NCCL clamps maxCTAs to MAXCHANNELS (32 or 64 depending on the release); 32 is valid in all.
 NCCL_MAX_CTAS_LIMIT = 32

@@ -37,7 +37,7 @@ class TorchBackend:
     Requests are attended a run at a time: consecutive requests with equal query lengths (equal
     prompts, a run of decodes) take one batched SDPA, each masked by its own key length, so host
     launches grow with the number of runs rather than of requests (64 decodes beside two
-    prompts: 2727 aten ops before, 77 now). A run gathers every request's keys up to the run's
+    prompts take 77 aten ops, where one SDPA per request takes 2727). A run gathers every request's keys up to the run's
     longest context, trading padded reads for launches. Run boundaries come from the CPU copies
     of the lengths, so there is no device sync.
 
