@@ -38,13 +38,6 @@ CONFIG = dict(
 BATCH, SEQ = 6, 8
 
 
-def run_split(model: ubatch.UBatchWrapper, input_ids: torch.Tensor, num_ubatches: int) -> torch.Tensor:
-    """The wrapped call, with the batch's rows (sequences) as the unit the ubatches split."""
-    slices = ubatch.split_batch([1] * input_ids.shape[0], num_ubatches)
-    with ubatch.set_forward_context(None, ubatch_slices=slices):
-        return model(input_ids, use_cache=False).logits
-
-
 def record_layer_order(model: LlamaForCausalLM) -> list[tuple[int | None, int, int | None]]:
     """(ubatch, decoder layer, CUDA stream or None) for every decoder layer call."""
     order: list[tuple[int | None, int, int | None]] = []
@@ -91,9 +84,9 @@ def main() -> None:
         expected = model(input_ids, use_cache=False).logits
         torch.testing.assert_close(expected, reference, rtol=1e-5, atol=1e-5)
         for n in (2, 3):
-            wrapped = ubatch.UBatchWrapper(model, num_ubatches=n, device=device)
+            wrapped = ubatch.UBatchWrapper(model, num_ubatches=n, device=device, batched={"input_ids": 0})
             order.clear()
-            got = run_split(wrapped, input_ids, n)
+            got = wrapped(input_ids=input_ids, use_cache=False).logits
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
             ran = [(u, layer) for u, layer, _ in order]
