@@ -58,3 +58,11 @@ def test_transformers_tp_example_on_cuda_runs_each_ubatch_on_its_own_stream():
             streams = ast.literal_eval(line.split("streams per ubatch ", 1)[1])  # {ubatch: [stream ids]}
             ids = [s for per_ubatch in streams.values() for s in per_ubatch]
             assert all(len(v) == 1 for v in streams.values()) and len(set(ids)) == len(ids), line
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_runner_loop_serves_arrivals_equal_to_unsplit_greedy(nproc):
+    result = torchrun(nproc, "examples/runner_loop.py", timeout_s=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "equals unsplit greedy decoding" in line]
+    assert len(lines) == nproc and all(line.endswith("True") for line in lines), result.stdout

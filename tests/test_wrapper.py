@@ -638,3 +638,17 @@ def test_a_transformers_model_splits_its_batch_without_a_forward_context():
             wrapper(input_ids=input_ids, use_cache=True)
     assert list(wrapper.state_dict()) == list(model.state_dict())
     assert wrapper.eval() is wrapper and wrapper.config is model.config
+
+
+def test_generate_is_refused_rather_than_run_unsplit():
+    class WithGenerate(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+        def generate(self, x):
+            return x
+
+    wrapper = UBatchWrapper(WithGenerate(), device="cpu")
+    with pytest.raises(RuntimeError, match="does not ubatch generate\\(\\)"):
+        wrapper.generate(torch.zeros(2))
+    assert wrapper.unwrap().generate(torch.zeros(2)).shape == (2,)

@@ -186,6 +186,14 @@ class UBatchWrapper(torch.nn.Module):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(inner, name)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a wrapped model's ``generate`` (transformers') would call the model, not the
+        wrapper, and run every step unsplit without a word."""
+        raise RuntimeError(
+            "UBatchWrapper does not ubatch generate(): it would run every step unsplit. Call the wrapper "
+            "itself for each forward step (use_cache=False), or wrapper.unwrap().generate(...) to run unsplit"
+        )
+
     def extra_repr(self) -> str:
         return f"num_ubatches={self.num_ubatches}"
 

@@ -356,6 +356,7 @@ class ModelRunner:
         self.check_overflow()
         out = self.update(chunks, tokens)
         out.num_tokens_across_dp = across
+        out.num_ubatches = num_ubatches
         return out
 
     def schedule(self) -> list[Chunk]:
