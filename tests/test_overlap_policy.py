@@ -7,6 +7,7 @@ import pytest
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
 from ubatch.bench.modes import Timing, auto_point, mode_rows, sweep_modes
+from ubatch.bench.plot import plot_kernel_timeline
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.overlap import OverlapMode, parse_modes, supported
@@ -161,3 +162,25 @@ def test_the_public_policies_answer_split_this_step_in_two_lines():
     costs = ubatch.calibrate(lambda t: (t / 100, t / 100), lambda t, n: t / 100 * (2 if n == 1 else 1.1), [256, 2048])
     policy = ubatch.SplitPolicy(costs, candidates=(1, 2))
     assert policy.decide(2048) == 2 and policy.decide(1) == 1
+
+
+def test_a_profiled_trace_draws_as_a_timeline_per_stream(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.0, "dur": 8.0, "args": {"stream": 7}},
+            {
+                "ph": "X",
+                "cat": "gpu_memcpy",
+                "name": "Memcpy DtoH (Device -> Pinned)",
+                "ts": 12.0,
+                "dur": 3.0,
+                "args": {"stream": 9},
+            },
+        ]
+    }
+    png = tmp_path / "timeline.png"
+    plot_kernel_timeline(trace, str(png), "two streams")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no kernel or copy events"):
+        plot_kernel_timeline({"traceEvents": []}, str(png), "empty")

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chrome-trace",
         help="write the same timeline as a Chrome trace (chrome://tracing, Perfetto); "
-        "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step",
+        "with --graphs, torch.profiler's trace of the first configuration's replayed ubatched step "
+        "(with --modes: of the first mode after unsplit, at the first --tokens size)",
     )
     p.add_argument("--label", default="", help="a free-form tag stored in the report (e.g. the NCCL regime)")
     p.add_argument(

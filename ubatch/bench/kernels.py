@@ -41,8 +41,13 @@ class Kernel:
 
     @property
     def is_comm(self) -> bool:
-        name = self.name.lower()
-        return "nccl" in name or _is_link_activity(name)
+        return is_comm_activity(self.name)
+
+
+def is_comm_activity(name: str) -> bool:
+    """Whether a profiled kernel or copy of this name is communication (see the module docstring)."""
+    name = name.lower()
+    return "nccl" in name or _is_link_activity(name)
 
 
 def _is_link_activity(name: str) -> bool:

@@ -135,8 +135,11 @@ def sweep_modes(
     warmup: int,
     repeats: int,
     sm_partition: Any = None,
+    chrome_trace: str | None = None,
 ) -> dict[str, Any]:
-    """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M."""
+    """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M;
+    under graphs, ``chrome_trace`` keeps torch.profiler's trace of one replay of ``modes[1]``
+    (what overlapped: its kernels and the link's copies, per stream)."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
     device = model.device
@@ -156,6 +159,8 @@ def sweep_modes(
             dropped[mode.name] = dropped_share(model, fn, step)
             if mode == OverlapMode():
                 compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
+            elif chrome_trace and mode == modes[1]:
+                profile_kernels(fn, device, chrome_trace=chrome_trace)
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
     return {
@@ -250,6 +255,7 @@ def modes_report(
             warmup=args.warmup,
             repeats=args.repeats,
             sm_partition=sm_partition,
+            chrome_trace=args.chrome_trace if tokens == args.tokens[0] else None,
         )
         md = step.attn_metadata[model.layer_names[0]]
         for row in mode_rows(sweep, modes):
