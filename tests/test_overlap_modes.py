@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from ubatch import comm, set_forward_context, split_batch
+from tests.test_ubatch_models import _forward
+from ubatch import comm, split_batch
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
@@ -22,19 +23,6 @@ from ubatch.wrapper import UBatchWrapper
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 CONFIG = dict(num_experts=8, top_k=2, moe_intermediate_size=48, num_shared_experts=1)
-
-
-def _forward(runnable, model, step, slices=None):
-    with (
-        torch.inference_mode(),
-        set_forward_context(
-            step.attn_metadata,
-            no_compile_layers=model.attention_layers,
-            ubatch_slices=slices,
-            num_tokens=step.num_tokens,
-        ),
-    ):
-        return runnable(step.input_ids, step.positions)
 
 
 def _set_chunks(model, chunks: int) -> None:

@@ -177,10 +177,8 @@ class UBatchWrapper(torch.nn.Module):
         return self.module
 
     def __getattr__(self, name: str) -> Any:
-        try:
+        with contextlib.suppress(AttributeError):
             return super().__getattr__(name)  # parameters, buffers, submodules (``module`` among them)
-        except AttributeError:
-            pass
         inner = self.__dict__.get("_modules", {}).get("module", self.__dict__.get("module"))
         if inner is None:  # still in __init__, or a name nothing defines
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

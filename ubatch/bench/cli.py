@@ -306,8 +306,7 @@ def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
             p.error(f"{flag} {path!r} is a directory, not a file")
         existed = os.path.exists(path)
         try:
-            with open(path, "a"):
-                pass
+            open(path, "a").close()
         except OSError as exc:
             p.error(f"{flag} {path!r} cannot be written: {exc.strerror}")
         if not existed:
