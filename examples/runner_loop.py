@@ -81,7 +81,8 @@ def main() -> None:
     got = [outputs[i] for i in sorted(outputs)]
     print(
         f"rank {rank}: {len(got)} requests, {steps} steps, {split} split by the policy; "
-        f"equals unsplit greedy decoding: {got == expected}"
+        f"equals unsplit greedy decoding: {got == expected}",
+        flush=True,
     )
     if group is not None:
         dist.destroy_process_group()

@@ -64,5 +64,6 @@ def test_transformers_tp_example_on_cuda_runs_each_ubatch_on_its_own_stream():
 def test_runner_loop_serves_arrivals_equal_to_unsplit_greedy(nproc):
     result = torchrun(nproc, "examples/runner_loop.py", timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = [line for line in result.stdout.splitlines() if "equals unsplit greedy decoding" in line]
-    assert len(lines) == nproc and all(line.endswith("True") for line in lines), result.stdout
+    # the ranks print concurrently, so their lines may run together: count the verdicts
+    assert result.stdout.count("equals unsplit greedy decoding: True") == nproc, result.stdout
+    assert "equals unsplit greedy decoding: False" not in result.stdout, result.stdout
