@@ -13,8 +13,8 @@ from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
 from ubatch.link import HostLink
 from ubatch.overlap import OverlapMode
 from ubatch.policy import ModePolicy, SplitPolicy, StepCosts, calibrate
-from ubatch.scheduler import current_ubatch_id, yield_ubatch
-from ubatch.slicing import UBatchSlice, split_batch
+from ubatch.scheduler import MAX_UBATCHES, current_ubatch_id, yield_ubatch
+from ubatch.slicing import UBatchSlice, register_metadata_splitter, split_batch
 from ubatch.wrapper import UBatchWrapper
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "DPMetadata",
     "ForwardContext",
     "HostLink",
+    "MAX_UBATCHES",
     "ModePolicy",
     "OverlapMode",
     "SplitPolicy",
@@ -35,6 +36,7 @@ __all__ = [
     "current_ubatch_id",
     "get_forward_context",
     "override_forward_context",
+    "register_metadata_splitter",
     "set_forward_context",
     "split_batch",
     "yield_ubatch",
