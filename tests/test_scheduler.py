@@ -416,3 +416,31 @@ def test_a_real_sigint_at_random_moments_never_gives_a_stale_result():
     _check_next_call_is_clean(sched, 3)
     print("sigint", interrupted, completed)
     assert interrupted > 50 and completed > 50, (interrupted, completed)
+
+
+@pytest.mark.cuda
+def test_on_cuda_an_abort_restores_the_callers_stream_and_the_next_call_is_clean():
+    sched = UbatchScheduler(2, "cuda")
+    sched.prepare()
+
+    def cleanup_yields():
+        try:
+            x = torch.ones(256, 256, device="cuda")
+            yield_ubatch()
+            return x @ x
+        finally:
+            yield_ubatch()
+
+    def failing():
+        yield_ubatch()
+        raise Boom("fails on CUDA")
+
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        with pytest.raises(Boom):
+            sched.run([cleanup_yields, failing])
+        assert torch.cuda.current_stream() == caller
+        results = sched.run([lambda: torch.full((4,), float(current_ubatch_id()), device="cuda")] * 2)
+        assert torch.cuda.current_stream() == caller
+    torch.cuda.synchronize()
+    assert [r.tolist() for r in results] == [[0.0] * 4, [1.0] * 4]
