@@ -420,7 +420,7 @@ def test_a_real_sigint_at_random_moments_never_gives_a_stale_result():
 
 @pytest.mark.cuda
 def test_on_cuda_an_abort_restores_the_callers_stream_and_the_next_call_is_clean():
-    sched = UbatchScheduler(2, "cuda")
+    sched = UBatchScheduler(2, "cuda")
     sched.prepare()
 
     def cleanup_yields():
