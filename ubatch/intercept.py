@@ -25,7 +25,6 @@ exists. Calls that ``ubatch.comm`` itself makes are never intercepted again.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -148,10 +147,10 @@ def _f_all_to_all(
     return run
 
 
-@functools.cache
-def _c10d_handlers() -> dict[Any, tuple[inspect.Signature, Handler]]:
+def _make_c10d_handlers() -> dict[Any, tuple[inspect.Signature, Handler]]:
     """Each torch.distributed collective of this torch -> (its signature, its handler)."""
     table: dict[Any, tuple[inspect.Signature, Handler]] = {}
+    c10d = getattr(dist, "distributed_c10d", None)
     for name, comm_fn in [
         ("all_reduce", comm.all_reduce),
         ("all_to_all_single", comm.all_to_all_single),
@@ -160,10 +159,15 @@ def _c10d_handlers() -> dict[Any, tuple[inspect.Signature, Handler]]:
         ("reduce_scatter_tensor", comm.reduce_scatter_tensor),
         ("reduce_scatter_single", comm.reduce_scatter_tensor),
     ]:
-        fn = getattr(dist.distributed_c10d, name, None)
+        fn = getattr(c10d, name, None)
         if fn is not None:
             table[fn] = (inspect.signature(fn), _c10d(comm_fn))
     return table
+
+
+# Built once at import: a plain dict read is all the function mode does per torch call (and what
+# torch.compile traces through it).
+_C10D_HANDLERS = _make_c10d_handlers()
 
 
 class CollectiveInterceptor(TorchFunctionMode):
@@ -171,7 +175,7 @@ class CollectiveInterceptor(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        entry = _c10d_handlers().get(func)
+        entry = _C10D_HANDLERS.get(func)
         if entry is None or scheduler.current_ubatch() is None or comm.issuing.get():
             return func(*args, **kwargs)
         signature, handle = entry
