@@ -109,15 +109,7 @@ class DraftModel:
         self.model = model
         self.block_size = block_size
         self.catch_up_width = catch_up_width
-        self.kv_cache = PagedKVCache(
-            model.layer_names,
-            num_blocks=num_kv_blocks,
-            block_size=block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.config.dtype,
-            device=model.device,
-        )
+        self.kv_cache = PagedKVCache.for_model(model, num_blocks=num_kv_blocks, block_size=block_size)
         self._computed: dict[int, int] = {}
         self.graphs: GraphedModel | None = None
         if capture_sizes:

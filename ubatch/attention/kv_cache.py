@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -10,6 +11,28 @@ import torch
 class PagedKVCache:
     """One cache tensor per attention layer, shaped ``[2, num_blocks, block_size, num_kv_heads,
     head_dim]`` (index 0 = K, 1 = V): the paged layout flash-attn reads directly."""
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PagedKVCache:
+        """A cache for every attention layer of ``model`` (its layer names, KV heads and head
+        size; its dtype and device unless given)."""
+        return cls(
+            model.layer_names,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.config.dtype if dtype is None else dtype,
+            device=model.device if device is None else device,
+        )
 
     def __init__(
         self,

@@ -57,14 +57,8 @@ def make_step(
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks = [math.ceil(s / block_size) for s in seq_lens]
     if cache is None:
-        cache = PagedKVCache(
-            model.layer_names,
-            num_blocks=sum(blocks),
-            block_size=block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=cfg.dtype,
-            device=device,
+        cache = PagedKVCache.for_model(
+            model, num_blocks=sum(blocks), block_size=block_size, device=device, dtype=cfg.dtype
         )
         fill = torch.Generator(device).manual_seed(seed)
         for name in model.layer_names:

@@ -113,14 +113,8 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.kv_cache = PagedKVCache(
-            model.layer_names,
-            num_blocks=num_kv_blocks,
-            block_size=block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=config.dtype,
-            device=self.device,
+        self.kv_cache = PagedKVCache.for_model(
+            model, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=config.dtype
         )
         self.num_ubatches = num_ubatches
         self.split_policy = split_policy
