@@ -21,7 +21,7 @@ import numbers
 import re
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -87,6 +87,32 @@ def yield_ubatch() -> None:
         state.yield_now()
 
 
+def join_ubatches(key: Hashable, value: Any, fn: Callable[[list[Any]], Sequence[Any]]) -> Any:
+    """Run ``fn`` once over the ``value`` every ubatch of the step passes at its ``key`` join,
+    and give each ubatch its own entry of the result (``fn(values)[i]`` to ubatch i).
+
+    Why: work that reads the same large operands for every ubatch (a MoE layer's expert weights)
+    can run once over all ubatches' rows instead of once per ubatch. Ubatches wait here, yielding,
+    until the last one arrives; ``fn`` runs in that one, on its stream, after every ubatch's work
+    issued so far (the hand-off order), so it may read what the others produced and start
+    collectives whose results they wait for. Outside a ubatch, or in a step of one ubatch, it is
+    ``fn([value])[0]``. Ubatches leave the join in ubatch order. Every ubatch must reach the same
+    joins in the same order (the n-th join of ``key`` in one ubatch meets the n-th in the others);
+    a ubatch that ends or waits at another join instead is a RuntimeError, not a hang.
+    """
+    state = _current.get()
+    if state is None:
+        return _joined_results(fn, [value], key)[0]
+    return state.join(key, value, fn)
+
+
+def _joined_results(fn: Callable[[list[Any]], Sequence[Any]], values: list[Any], key: Hashable) -> Sequence[Any]:
+    results = fn(values)
+    if len(results) != len(values):
+        raise RuntimeError(f"join {key!r}: fn returned {len(results)} results for {len(values)} ubatches")
+    return results
+
+
 @dataclass
 class UBatchState:
     """One ubatch's identity, streams and the events that order its work."""
@@ -98,6 +124,7 @@ class UBatchState:
     comm_ready_event: Any = None
     grad_enabled: bool = True
     segment_start: Any = None
+    join_counts: dict[Hashable, int] = field(default_factory=dict)  # joins of each key this task reached
     busy: bool = False  # a task was handed to this ubatch's worker and has not reported its end
     result: Any = None  # the ended task's value or exception, until the driver takes it
     discarded: bool = False  # its worker refused to stop and was thrown out
@@ -113,6 +140,33 @@ class UBatchState:
             greenlet.getcurrent().parent.switch(Outcome.YIELD)
             return
         self.scheduler._yield_from(self)
+
+    def join(self, key: Hashable, value: Any, fn: Callable[[list[Any]], Sequence[Any]]) -> Any:
+        """This ubatch's side of ``join_ubatches``."""
+        pool = self.scheduler._local.pool
+        if pool.num_tasks == 1:
+            return _joined_results(fn, [value], key)[0]
+        count = self.join_counts.get(key, 0)
+        self.join_counts[key] = count + 1
+        join_id = (key, count)
+        join = pool.joins.setdefault(join_id, _Join())
+        join.values[self.ubatch_id] = value
+        if len(join.values) == pool.num_tasks:
+            join.results = _joined_results(fn, [join.values[i] for i in range(pool.num_tasks)], key)
+        # Leave in ubatch order, as the round-robin would: ubatch i's work at every later point
+        # (its KV write at the next layer) must still come before ubatch i + 1's.
+        while join.results is None or join.taken < self.ubatch_id:
+            pool.joining[self.ubatch_id] = join_id
+            try:
+                _check_join_can_complete(pool, join_id, join)
+                self.yield_now()
+            finally:
+                del pool.joining[self.ubatch_id]
+        result = join.results[self.ubatch_id]
+        join.taken += 1
+        if join.taken == pool.num_tasks:
+            del pool.joins[join_id]
+        return result
 
     def run_collective(self, op_name: str, launch: Callable[[bool], Any], timeout: float | None) -> None:
         """Issue a collective on the comm stream (CUDA) or asynchronously (CPU), yield, then wait."""
@@ -210,6 +264,26 @@ class PendingCollective:
 
 
 @dataclass
+class _Join:
+    """One join in progress: the values the ubatches brought, then the results they take."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    results: Sequence[Any] | None = None
+    taken: int = 0
+
+
+def _check_join_can_complete(pool: _Pool, join_id: tuple[Hashable, int], join: _Join) -> None:
+    """Raise if the ubatches still missing at ``join_id`` can never arrive."""
+    key, count = join_id
+    for i in range(pool.num_tasks):
+        if i not in join.values and i not in pool.running:
+            raise RuntimeError(f"ubatch {i} ended without reaching join {key!r} (#{count + 1}) that the others wait at")
+    if all(i in pool.joining and pool.joins[pool.joining[i]].results is None for i in pool.running):
+        waits = ", ".join(f"ubatch {i} at {k!r} (#{c + 1})" for i, (k, c) in sorted(pool.joining.items()))
+        raise RuntimeError(f"ubatches wait at different joins and none can complete: {waits}")
+
+
+@dataclass
 class _Pool:
     """One thread's workers and ubatch states for one scheduler (greenlets cannot cross threads,
     and a state's outcome and grad mode belong to the thread driving it)."""
@@ -219,6 +293,10 @@ class _Pool:
     driver: greenlet.greenlet | None = None
     entered: set[int] = field(default_factory=set)  # ubatches whose streams the current call used
     comm_stream_used: bool = False
+    num_tasks: int = 0  # ubatches in the current call
+    running: set[int] = field(default_factory=set)  # ubatches whose task has not ended
+    joins: dict[tuple[Hashable, int], _Join] = field(default_factory=dict)
+    joining: dict[int, tuple[Hashable, int]] = field(default_factory=dict)  # ubatch -> the join it waits at
 
 
 class UBatchScheduler:
@@ -333,6 +411,7 @@ class UBatchScheduler:
             pool.driver = greenlet.getcurrent()
             pool.entered.clear()
             pool.comm_stream_used = False
+            pool.joins.clear()
             for worker in pool.workers:  # a worker reports to (and parks in) its parent
                 if worker.parent is not pool.driver:
                     worker.parent = pool.driver
@@ -343,6 +422,8 @@ class UBatchScheduler:
                 self._settle(pool)
             finally:
                 pool.driver = None
+                pool.joins.clear()
+                pool.running.clear()
                 torch.set_grad_enabled(grad_enabled)
                 self._join(pool, caller_stream)
 
@@ -357,8 +438,11 @@ class UBatchScheduler:
                 state.compute_stream.wait_stream(caller_stream)
         for state in states:
             state.grad_enabled = grad_enabled
+            state.join_counts.clear()
         results: list[Any] = [None] * n
         active = list(range(n))
+        pool.num_tasks = n
+        pool.running = set(active)
         previous: UBatchState | None = None
         while active:
             for i in list(active):
@@ -374,6 +458,7 @@ class UBatchScheduler:
                 if kind is Outcome.YIELD:
                     continue
                 active.remove(i)
+                pool.running.discard(i)
                 value = state.finish()
                 if kind is Outcome.ERROR:
                     _note_ubatch(value, i)
