@@ -15,6 +15,7 @@ from ubatch.cudagraph import BatchExecutionDescriptor as BED
 from ubatch.cudagraph import CudaGraphManager, dispatch, make_descriptors
 from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
+from ubatch.overlap import OverlapMode, apply_mode
 from ubatch.wrapper import UBatchWrapper
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
@@ -194,6 +195,18 @@ def test_piecewise_capture_never_runs_attention_on_dummy_inputs():
     program = graphed.manager.graphs[BED(PIECEWISE, 8)]
     islands = [i for i in program.items if not isinstance(i, FakeGraph)]
     assert len(islands) >= model.config.num_layers, "attention and collectives became eager islands"
+
+
+def test_joined_experts_refuse_a_piecewise_capture(caplog):
+    """A piecewise replay would run the join as an eager island whose combines the other
+    ubatches' recorded waits do not see: the capture fails, naming the layer, and those batches
+    run eagerly."""
+    model, graphed = _tiny_graphed(SpyBackend(), breakable=False, modes=(PIECEWISE,), ubatch_counts=(2,))
+    apply_mode(model, OverlapMode(num_ubatches=2, join_experts=True))
+    with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
+        graphed.capture()
+    assert "layers.0.moe: joined experts (join_ubatches=True) cannot be captured in a PIECEWISE graph" in caplog.text
+    assert BED(PIECEWISE, 8, num_ubatches=2) not in graphed.manager.graphs
 
 
 def test_breakable_piecewise_capture_runs_attention_and_full_capture_too():

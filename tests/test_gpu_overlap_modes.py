@@ -1,5 +1,7 @@
 """Overlap modes on the GPU: single-batch overlap and expert pipelining replayed from FULL and
-PIECEWISE graphs equal the plain eager step, float32 (masked experts) and bf16 (grouped GEMM).
+PIECEWISE graphs equal the plain eager step, float32 (masked experts) and bf16 (grouped GEMM);
+splits with joined expert stages, eager and replayed from FULL graphs, over no link and over the
+link stand-in (whose transfers really run on the copy engines), equal the unsplit eager step.
 
 Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
 grouped GEMM's row blocking).
@@ -11,10 +13,14 @@ import pytest
 import torch
 
 from tests.test_gpu_cudagraph import BLOCK, MAX_BLOCKS, _decode_shapes, _mixed_shapes
-from ubatch import CUDAGraphMode
+from tests.test_ubatch_models import _forward
+from ubatch import CUDAGraphMode, split_batch
 from ubatch.bench.workload import make_step
 from ubatch.graphed import GraphedModel
+from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
+from ubatch.overlap import OverlapMode, apply_mode
+from ubatch.wrapper import UBatchWrapper
 
 CONFIGS = {
     "float32": (
@@ -65,5 +71,43 @@ def test_single_batch_overlap_replay_equals_plain_eager(dtype, mode, chunks):
             for layer in model.moe_layers.values():
                 layer.expert_chunks = chunks
             torch.testing.assert_close(got, expected, **tol)
+    finally:
+        graphed.release()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("link", [False, True])
+@pytest.mark.parametrize("mode_name", ["split2+join", "split2+join+pipeline2", "split3+join+pipeline4"])
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_joined_experts_eager_and_full_replay_equal_unsplit(dtype, mode_name, link):
+    config, tol = CONFIGS[dtype]
+    ep_group = HostLink(2, bandwidth_gbps=20.0) if link else None
+    if link:
+        ep_group.prepare("cuda")
+    model = build_model(ModelConfig(**config), device="cuda", ep_group=ep_group)
+    mode = OverlapMode.parse(mode_name)
+    _, cache = make_step(model, [1] * 64, [BLOCK * MAX_BLOCKS - 1] * 64, block_size=BLOCK)
+    apply_mode(model, mode)
+    graphed = GraphedModel(
+        model,
+        max_blocks_per_req=MAX_BLOCKS,
+        capture_sizes=[16],
+        ubatch_counts=(mode.num_ubatches,),
+        modes=(CUDAGraphMode.FULL,),
+    )
+    wrapper = UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device)
+    graphed.capture()
+    rng = random.Random(mode_name)
+    try:
+        for trial, (query_lens, context_lens) in enumerate(_decode_shapes(rng)):
+            step, _ = make_step(model, query_lens, context_lens, block_size=BLOCK, cache=cache, seed=trial)
+            md = step.attn_metadata[model.layer_names[0]]
+            apply_mode(model, mode)
+            replayed = graphed.run(step.input_ids, step.positions, md, num_ubatches=mode.num_ubatches).clone()
+            eager = _forward(wrapper, model, step, split_batch(query_lens, mode.num_ubatches)).clone()
+            apply_mode(model, OverlapMode())
+            expected = _forward(model, model, step)
+            torch.testing.assert_close(eager, expected, **tol, msg=lambda m: f"{mode_name} eager: {m}")
+            torch.testing.assert_close(replayed, expected, **tol, msg=lambda m: f"{mode_name} replayed: {m}")
     finally:
         graphed.release()

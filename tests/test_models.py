@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
-from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model
+from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, moe
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
 
@@ -190,6 +190,30 @@ def test_moe_dispatch_matches_dense_reference(preset, use_grouped_mm, capacity_f
     with torch.no_grad():
         torch.testing.assert_close(layer(x), dense_reference_moe(layer, x), atol=1e-5, rtol=1e-5)
     assert int(layer.overflow_count) == 0
+
+
+def test_expert_capacity_pads_small_experts_to_a_step_and_leaves_large_ones_to_the_grouped_gemm():
+    layer = MoEFFN(ModelConfig.preset("tiny-moe", num_experts=8, capacity_factor=2.0), 0, device=torch.device("cpu"))
+    assert layer.expert_capacity(num_tokens=16, num_rows=64) == 64  # 2.0 * 16 * 2 / 8 = 8 rows, rounded up to 64
+    assert layer.expert_capacity(num_tokens=16, num_rows=40) == 40  # never more rows than were received
+    assert layer.expert_capacity(num_tokens=200, num_rows=800) == 128  # 100 rounded up to 128
+    assert layer.expert_capacity(num_tokens=300, num_rows=1200) is None  # 150 -> 192 rows: the grouped GEMM
+    layer.capacity_factor = None
+    assert layer.expert_capacity(num_tokens=16, num_rows=64) is None  # no row may be dropped
+
+
+def test_padded_expert_gemm_counts_the_rows_past_an_experts_capacity(monkeypatch):
+    monkeypatch.setattr(moe, "PADDED_ROWS_STEP", 1)
+    config = ModelConfig.preset("tiny-moe", capacity_factor=1.0)
+    layer = MoEFFN(config, 0, device=torch.device("cpu"))
+    x = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    _, ids = layer.route(x)
+    per_expert = torch.bincount(ids.flatten(), minlength=layer.num_local_experts)
+    capacity = layer.expert_capacity(40, 80)
+    assert capacity == math.ceil(40 * layer.top_k / layer.num_local_experts)
+    with torch.no_grad():
+        layer(x)
+    assert int(layer.overflow_count) == int((per_expert - capacity).clamp(min=0).sum()) > 0
 
 
 def test_moe_small_capacity_counts_overflow():

@@ -1,7 +1,7 @@
 """Every overlap mode equals the plain unsplit step: single-batch overlap (one slice run as a
-ubatch), expert pipelining (``expert_chunks``), token splits, and their combinations, in one
-process and expert-parallel over two gloo ranks; and the shared experts run while the dispatch
-is in flight.
+ubatch), expert pipelining (``expert_chunks``), token splits, splits with joined expert stages,
+and their combinations, in one process and expert-parallel over two gloo ranks; and the shared
+experts run while the dispatch is in flight.
 
 Tolerance: float32 on CPU, atol = rtol = 1e-5 (GEMMs over other row counts or expert groups may
 block their sums differently).
@@ -19,6 +19,7 @@ from ubatch import comm, split_batch
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
+from ubatch.overlap import OverlapMode, apply_mode
 from ubatch.wrapper import UBatchWrapper
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -30,26 +31,26 @@ def _set_chunks(model, chunks: int) -> None:
         layer.expert_chunks = chunks
 
 
-def check_modes_equal_unsplit(model, seed: int, modes) -> None:
+def check_modes_equal_unsplit(model, seed: int, names: str) -> None:
     rng = random.Random(seed)
     n = rng.randint(3, 7)
     query_lens = [rng.choice([1, rng.randint(2, 9)]) for _ in range(n)]
     context_lens = [rng.choice([0, rng.randint(1, 15)]) for _ in range(n)]
     step, cache = make_step(model, query_lens, context_lens, block_size=4, seed=seed)
     before = {name: cache[name].clone() for name in model.layer_names}
-    _set_chunks(model, 1)
+    apply_mode(model, OverlapMode())
     expected = _forward(model, model, step)
     wrapper = UBatchWrapper(model, num_ubatches=3, device=model.device)
-    for num_ubatches, chunks in modes:
+    for mode in map(OverlapMode.parse, names.split(",")):
         for name in model.layer_names:
             cache[name].copy_(before[name])
-        _set_chunks(model, chunks)
-        got = _forward(wrapper, model, step, split_batch(query_lens, num_ubatches))
-        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"N={num_ubatches} k={chunks}: {m}")
-    _set_chunks(model, 1)
+        apply_mode(model, mode)
+        got = _forward(wrapper, model, step, split_batch(query_lens, mode.num_ubatches))
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{mode.name}: {m}")
+    apply_mode(model, OverlapMode())
 
 
-MODES = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (3, 4)]
+MODES = "overlap,pipeline2,pipeline4,split2,split2+pipeline2,split3+pipeline4,split2+join,split3+join+pipeline2"
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -61,7 +62,9 @@ def test_overlap_modes_equal_unsplit_one_process(seed):
 def _modes_over_ep(rank: int, world: int) -> None:
     model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=dist.group.WORLD)
     for seed in range(2):
-        check_modes_equal_unsplit(model, seed, [(1, 1), (1, 2), (1, 4), (2, 2), (3, 1)])
+        check_modes_equal_unsplit(
+            model, seed, "overlap,pipeline2,pipeline4,split2+pipeline2,split3,split2+join,split3+join+pipeline4"
+        )
 
 
 def test_overlap_modes_equal_unsplit_expert_parallel():
@@ -106,5 +109,5 @@ def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size):
     link = HostLink(world_size, bandwidth_gbps=50.0)
     model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=link)
     assert next(iter(model.moe_layers.values())).num_local_experts == 8 // world_size
-    check_modes_equal_unsplit(model, 3, [(1, 1), (1, 2), (2, 1), (2, 2)])
+    check_modes_equal_unsplit(model, 3, "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2")
     assert link.bytes_moved > 0

@@ -22,6 +22,8 @@ from ubatch.policy import ModePolicy
         ("pipeline4", OverlapMode(expert_chunks=4)),
         ("split3", OverlapMode(num_ubatches=3)),
         ("split2+pipeline2", OverlapMode(num_ubatches=2, expert_chunks=2)),
+        ("split2+join", OverlapMode(num_ubatches=2, join_experts=True)),
+        ("split3+join+pipeline2", OverlapMode(num_ubatches=3, expert_chunks=2, join_experts=True)),
     ],
 )
 def test_modes_parse_and_name_themselves(text, mode):
@@ -29,10 +31,18 @@ def test_modes_parse_and_name_themselves(text, mode):
     assert mode.runs_as_ubatches == (text != "unsplit")
 
 
-@pytest.mark.parametrize("text", ["", "split", "pipeline0", "split2+split3", "tokens2", "split-1"])
+@pytest.mark.parametrize(
+    "text", ["", "split", "pipeline0", "split2+split3", "tokens2", "split-1", "split2+join+join", "join2"]
+)
 def test_bad_mode_names_are_refused(text):
     with pytest.raises(ValueError, match="overlap mode|must be an int"):
         parse_modes(text)
+
+
+@pytest.mark.parametrize("text", ["join", "pipeline2+join"])
+def test_joined_experts_need_a_split(text):
+    with pytest.raises(ValueError, match="join_experts joins the expert stages of a split, got num_ubatches=1"):
+        OverlapMode.parse(text)
 
 
 def test_parse_modes_puts_the_unsplit_baseline_first_once():
@@ -65,7 +75,7 @@ def test_supported_modes_need_chunks_that_divide_the_local_experts():
     names = [m.name for m in supported(model, parse_modes("overlap,pipeline2,pipeline3,pipeline4,split2"))]
     assert names == ["unsplit", "overlap", "pipeline2", "pipeline4", "split2"]
     dense = build_model(ModelConfig.preset("tiny"), device="cpu")
-    assert [m.name for m in supported(dense, parse_modes("overlap,pipeline2"))] == ["unsplit", "overlap"]
+    assert [m.name for m in supported(dense, parse_modes("overlap,pipeline2,split2+join"))] == ["unsplit", "overlap"]
 
 
 def test_eager_sweep_reports_every_mode_against_the_same_runs_baseline_and_ideal():
@@ -144,6 +154,7 @@ def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_
         (["--link", "infiniband"], "link"),
         (["--link", "host", "--nproc", "2"], "--link stands in"),
         (["--modes", "overlap", "--workload", "generate"], "--modes applies to single steps"),
+        (["--modes", "split2+join", "--workload", "prefill", "--graphs"], "not from the PIECEWISE graphs"),
     ],
 )
 def test_bench_refuses_bad_modes_and_links_before_the_run(argv, message, capsys):

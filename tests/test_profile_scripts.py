@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ubatch.bench.kernels import kernel_family
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -139,7 +141,7 @@ def test_table_lists_kernel_families_that_grow(tmp_path, capsys, monkeypatch):
             {"mode": "green:16", "num_ubatches": 2, "wall_ms": 3.1, "kernels": split},
         ],
     }
-    assert profile_table.family("void gemm<float>(int)") == "gemm"
+    assert kernel_family("void gemm<float>(int)") == "gemm"
     assert profile_table.family_totals(report["configs"][1], names) == {
         "gemm": (2, 1.8),
         "ncclDevKernel_SendRecv": (2, 2.2),
@@ -284,3 +286,22 @@ def test_replay_policy_prints_every_committed_pick_and_fails_below_the_floor(cap
     assert len(out) > len(reports) + 1 and out[-1].endswith(f"over {len(reports)} reports")
     monkeypatch.setattr(sys, "argv", ["replay_policy.py", str(reports[0]), "--floor", "1.01"])
     assert replay_policy.main() == 1
+
+
+def test_mode_kernels_summarises_a_replay_and_groups_families():
+    mode_kernels = _load("mode_kernels")
+    from ubatch.bench.kernels import Kernel
+
+    kernels = [
+        Kernel("void gemm<float>(int)", 0.0, 100.0),
+        Kernel("void gemm<bf16>(int)", 110.0, 210.0),
+        Kernel("add_kernel", 260.0, 270.0),
+        Kernel("ncclDevKernel_AllToAll", 0.0, 300.0),
+    ]
+    assert mode_kernels.summary(kernels) == {
+        "kernels": 3,
+        "span_ms": 0.3,
+        "compute_sum_ms": 0.21,
+        "compute_idle_ms": 0.09,
+    }
+    assert mode_kernels.families(kernels[:3]) == {"gemm": (2, 0.2), "add_kernel": (1, 0.01)}

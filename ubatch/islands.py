@@ -39,6 +39,11 @@ def run_island(fn: Callable[..., Any], *args: Any) -> Any:
     return recorder.island(fn, args)
 
 
+def recording_active() -> bool:
+    """Whether a piecewise capture is recording islands right now."""
+    return _recorder.get() is not None
+
+
 def run_ubatches(run: Callable[[Tasks], list[Any]], tasks: Tasks, contextualize: Callable[[Tasks], Tasks]) -> list[Any]:
     """``run(contextualize(tasks))``: a ubatched schedule, which a piecewise recorder captures as
     one program per ubatch (``contextualize`` gives callables their ubatch's forward context,

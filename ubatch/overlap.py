@@ -11,8 +11,13 @@ is cheap that costs more than it hides. Two modes overlap without splitting the 
   experts (``MoEFFN.expert_chunks``), so group g's GEMMs run while group g+1's rows are in
   flight, and each expert's weights are still read once.
 
-Modes combine: ``OverlapMode(num_ubatches=2, expert_chunks=2)`` splits the tokens and pipelines
-each ubatch's experts. See docs/overlap-modes.md.
+A split can also keep the weights read once: with joined experts (``join``) each ubatch runs its
+own attention and dispatch, so one ubatch's attention hides another's transfer, but the expert
+GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``).
+
+Modes combine: ``OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True)`` splits the
+tokens, joins their expert stages and pipelines it over two expert groups. See
+docs/overlap-modes.md.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ MAX_EXPERT_CHUNKS = 8
 @dataclass(frozen=True)
 class OverlapMode:
     """One way to run a step: ``num_ubatches`` token slices, ``expert_chunks`` expert groups,
-    and whether an unsplit step still runs as a ubatch (``single_batch``; implied by the others)."""
+    whether the slices' expert stages are joined (``join_experts``), and whether an unsplit step
+    still runs as a ubatch (``single_batch``; implied by the others)."""
 
     num_ubatches: int = 1
     expert_chunks: int = 1
+    join_experts: bool = False
     single_batch: bool = False
 
     def __post_init__(self) -> None:
@@ -40,6 +47,8 @@ class OverlapMode:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
                 raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
+        if self.join_experts and self.num_ubatches < 2:
+            raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
         if self.num_ubatches > 1 or self.expert_chunks > 1:
             object.__setattr__(self, "single_batch", True)
 
@@ -48,6 +57,7 @@ class OverlapMode:
         if self.num_ubatches == 1 and self.expert_chunks == 1:
             return "overlap" if self.single_batch else "unsplit"
         parts = [f"split{self.num_ubatches}"] if self.num_ubatches > 1 else []
+        parts += ["join"] if self.join_experts else []
         parts += [f"pipeline{self.expert_chunks}"] if self.expert_chunks > 1 else []
         return "+".join(parts)
 
@@ -58,17 +68,22 @@ class OverlapMode:
 
     @classmethod
     def parse(cls, text: str) -> OverlapMode:
-        """``unsplit``, ``overlap``, ``splitN``, ``pipelineK`` or ``splitN+pipelineK``."""
+        """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
+        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``)."""
         if text in ("unsplit", "overlap"):
             return cls(single_batch=text == "overlap")
         fields = {"split": "num_ubatches", "pipeline": "expert_chunks"}
-        values: dict[str, int] = {}
+        values: dict[str, Any] = {}
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
             digits = part[len(prefix) :]
+            if part == "join" and "join_experts" not in values:
+                values["join_experts"] = True
+                continue
             if prefix not in fields or not digits or fields[prefix] in values:
                 raise ValueError(
-                    f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK or splitN+pipelineK"
+                    f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK, "
+                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK"
                 )
             values[fields[prefix]] = int(digits)
         return cls(**values)
@@ -88,20 +103,24 @@ def moe_layers(model: Any) -> Iterator[Any]:
     yield from getattr(model, "moe_layers", {}).values()
 
 
-def apply_expert_chunks(model: Any, chunks: int) -> None:
-    """Pipeline every MoE layer of ``model`` over ``chunks`` expert groups (1: not at all)."""
+def apply_mode(model: Any, mode: OverlapMode) -> None:
+    """Set every MoE layer of ``model`` to ``mode``'s expert groups and joining (the unsplit
+    mode resets them); the token split itself is the forward context's ``ubatch_slices``."""
     layers = list(moe_layers(model))
-    if chunks > 1 and not layers:
-        raise ValueError(f"expert_chunks={chunks} needs a MoE model; this one has no MoE layers")
+    if (mode.expert_chunks > 1 or mode.join_experts) and not layers:
+        raise ValueError(f"mode {mode.name} needs a MoE model; this one has no MoE layers")
     for layer in layers:
-        layer.expert_chunks = chunks
+        layer.expert_chunks = mode.expert_chunks
+        layer.join_ubatches = mode.join_experts
 
 
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
-    """The modes this model can run: expert chunks must divide every MoE layer's local experts."""
+    """The modes this model can run: joined experts need MoE layers, and expert chunks must
+    divide every MoE layer's local experts."""
     layers = list(moe_layers(model))
     return [
         m
         for m in modes
-        if m.expert_chunks == 1 or (layers and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers))
+        if (layers or (m.expert_chunks == 1 and not m.join_experts))
+        and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers)
     ]

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         type=_modes,
         help="time these overlap modes of each step side by side instead of the ubatch counts, e.g. "
-        "overlap,pipeline2,split2,split2+pipeline2 (unsplit is always the baseline; "
+        "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2 (unsplit is always the baseline; "
         "docs/overlap-modes.md)",
     )
     p.add_argument(
@@ -264,6 +264,12 @@ def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace, generate:
         p.error("--link applies to single steps, not to --workload generate")
     if args.modes and generate:
         p.error("--modes applies to single steps, not to --workload generate")
+    joined = [m.name for m in args.modes or () if m.join_experts]
+    if joined and args.graphs and args.workload != "decode":
+        p.error(
+            f"--modes {','.join(joined)}: joined experts run eagerly or from FULL graphs (decode), "
+            f"not from the PIECEWISE graphs of --workload {args.workload}"
+        )
     return world
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -42,6 +43,13 @@ class Kernel:
     @property
     def is_comm(self) -> bool:
         return is_comm_activity(self.name)
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without ``void``, template arguments or parameters, at most 60 characters:
+    what groups a step's kernels by the op that launched them."""
+    bare = name.removeprefix("void ")
+    return re.split(r"[<(]", bare, maxsplit=1)[0][:60] or bare[:60]
 
 
 def is_comm_activity(name: str) -> bool:

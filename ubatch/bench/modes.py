@@ -31,7 +31,7 @@ from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
 from ubatch.models.layers import group_rank_world
-from ubatch.overlap import OverlapMode, apply_expert_chunks, moe_layers, supported
+from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.wrapper import UBatchWrapper
 
@@ -74,7 +74,7 @@ def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
     slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
 
     def run() -> Any:
-        apply_expert_chunks(model, mode.expert_chunks)
+        apply_mode(model, mode)
         try:
             with (
                 torch.inference_mode(),
@@ -87,7 +87,7 @@ def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
             ):
                 return runnable(step.input_ids, step.positions)
         finally:
-            apply_expert_chunks(model, 1)
+            apply_mode(model, OverlapMode())
 
     return run
 
@@ -100,7 +100,7 @@ class GraphedMode:
     ) -> None:
         self.model, self.step, self.mode, self.graph_mode = model, step, mode, graph_mode
         blocks = step.attn_metadata[model.layer_names[0]].block_table.shape[1]
-        apply_expert_chunks(model, mode.expert_chunks)
+        apply_mode(model, mode)
         self.graphed = GraphedModel(
             model,
             capture_sizes=[step.num_tokens],
@@ -122,7 +122,7 @@ class GraphedMode:
 
     def __exit__(self, *exc: Any) -> None:
         self.graphed.release()
-        apply_expert_chunks(self.model, 1)
+        apply_mode(self.model, OverlapMode())
         torch.cuda.empty_cache()  # a released graph's private pool stays reserved, out of the next capture's reach
 
 
@@ -203,6 +203,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "mode": mode.name,
                 "num_ubatches": mode.num_ubatches,
                 "expert_chunks": mode.expert_chunks,
+                "join_experts": mode.join_experts,
                 "single_batch": mode.single_batch,
                 "median_ms": round(t.median_ms, 4),
                 "min_ms": round(t.min_ms, 4),

@@ -13,6 +13,7 @@ number of tokens per step (the data-parallel coordinator pads them to the maximu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,11 +21,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ubatch import comm
+from ubatch import comm, islands, scheduler
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.swiglu import swiglu
+
+PADDED_ROWS_STEP = 64
+PADDED_MAX_ROWS = 128
+"""Up to this many rows per expert, a batched GEMM over every expert's rows padded to one
+capacity reads the weights at ~3.8-4.0 TB/s on an H200, where the grouped GEMM reaches 2.6-3.0
+(16-64 rows; scripts/bench_expert_gemm.py): at these sizes the GEMM is a weight read, and the
+padding rows ride along for free. Capacities are rounded up to ``PADDED_ROWS_STEP``."""
 
 
 def _start_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> comm.CollectiveHandle | None:
@@ -40,6 +48,21 @@ def _start_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> 
 def _wait(handle: comm.CollectiveHandle | None) -> None:
     if handle is not None:
         handle.wait()
+
+
+@dataclass
+class _Dispatched:
+    """One ubatch's rows in flight to the experts: receive and combine buffers, each expert
+    group's rows in them, and the group's dispatch."""
+
+    num_tokens: int
+    recv: torch.Tensor
+    back: torch.Tensor
+    groups: list[slice]
+    dispatches: list[comm.CollectiveHandle | None]
+    # The combines' inputs, held by the ubatch that waits for them: freed before that wait, a
+    # block could go to new work on its stream while the comm stream still reads it.
+    combine_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
@@ -63,7 +86,10 @@ class MoEFFN(nn.Module):
     lack of capacity; whoever reads it resets it. ``use_grouped_mm`` selects the expert compute:
     one grouped GEMM over rows sorted by expert, or a static-shape masked loop over local
     experts (the fallback where grouped GEMM is unsupported; it computes every local expert on
-    every received row).
+    every received row). ``join_ubatches`` joins the expert stages of a split step's ubatches:
+    each ubatch routes and dispatches its own tokens (its attention ran under the others'
+    transfers), then one grouped GEMM per expert group runs over every ubatch's rows, so a split
+    no longer reads the expert weights once per ubatch (eager and FULL graphs).
     """
 
     def __init__(
@@ -128,6 +154,7 @@ class MoEFFN(nn.Module):
             )
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.expert_chunks = 1
+        self.join_ubatches = False
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
     def capacity(self, num_tokens: int) -> int:
@@ -163,7 +190,8 @@ class MoEFFN(nn.Module):
         """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
         per group of local experts, so group g's GEMMs run while group g+1's rows are in flight
         and every expert's weights are still read once. The shared experts run under the
-        dispatch (single-batch overlap): they need only ``x``."""
+        dispatch (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert
+        stage waits for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
         num_tokens, hidden = x.shape
         k, world, n_local = self.expert_chunks, self.ep_world, self.num_local_experts
@@ -204,11 +232,16 @@ class MoEFFN(nn.Module):
 
         back = x.new_empty(trash + 1, hidden)
         back[trash].zero_()
-        combines = []
-        for g, rows in enumerate(groups):
-            _wait(dispatches[g])
-            expert_out = self._experts(recv[rows, :hidden], recv[rows, hidden].long(), g)
-            combines.append(_start_all_to_all(back[rows], expert_out, self.ep_group))
+        dispatched = _Dispatched(num_tokens, recv, back, groups, dispatches)
+        if self.join_ubatches:
+            if islands.recording_active():
+                raise RuntimeError(
+                    f"{self.name}: joined experts (join_ubatches=True) cannot be captured in a PIECEWISE graph, "
+                    f"whose replay would run the join eagerly; use FULL graphs or run eagerly"
+                )
+            combines = scheduler.join_ubatches(f"{self.name}.experts", dispatched, self._expert_stage)
+        else:
+            combines = self._expert_stage([dispatched])[0]
         for handle in combines:
             _wait(handle)
 
@@ -216,15 +249,71 @@ class MoEFFN(nn.Module):
         out = (routed * weights[..., None]).sum(dim=1).to(x.dtype)
         return out if shared is None else out + shared
 
-    def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int) -> torch.Tensor:
-        """Each row through its local expert (SwiGLU), for the rows of expert group ``group``;
-        rows with expert -1 are padding, whose output is never read."""
+    def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
+        """Each expert group's GEMMs over the received rows of every part (one per ubatch when
+        the ubatches' expert stages are joined, so the weights are read once for all of them),
+        then that group's combine of every part; the combines' handles, per part."""
+        combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
+        hidden = parts[0].back.shape[1]
+        num_tokens = sum(part.num_tokens for part in parts)
+        for g in range(self.expert_chunks):
+            for part in parts:
+                _wait(part.dispatches[g])
+            rows = [part.recv[part.groups[g]] for part in parts]
+            joined = rows[0] if len(rows) == 1 else torch.cat(rows)
+            out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
+            outputs = out.split([len(r) for r in rows])
+            for part, out, handles in zip(parts, outputs, combines):
+                part.combine_inputs.append(out)
+                handles.append(_start_all_to_all(part.back[part.groups[g]], out, self.ep_group))
+        return combines
+
+    def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int, num_tokens: int) -> torch.Tensor:
+        """Each row through its local expert (SwiGLU), for the rows of expert group ``group``
+        routed from ``num_tokens`` tokens per rank; rows with expert -1 are padding, whose
+        output is never read."""
         size = self.num_local_experts // self.expert_chunks
         experts = slice(group * size, (group + 1) * size)
         expert = expert - group * size
+        w13, w2 = self.w13[experts], self.w2[experts]
+        capacity = self.expert_capacity(num_tokens, len(x))
+        if capacity is not None:
+            return self._experts_padded(x, expert, w13, w2, capacity)
         if self.use_grouped_mm:
-            return self._experts_grouped(x, expert, self.w13[experts], self.w2[experts])
-        return self._experts_masked(x, expert, self.w13[experts], self.w2[experts])
+            return self._experts_grouped(x, expert, w13, w2)
+        return self._experts_masked(x, expert, w13, w2)
+
+    def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
+        """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
+        from ``num_tokens`` tokens per rank, or None where the grouped GEMM runs: without a
+        ``capacity_factor`` (no row may be dropped) or above ``PADDED_MAX_ROWS`` rows per expert.
+        ``capacity_factor`` times a balanced expert's rows, rounded up to ``PADDED_ROWS_STEP``;
+        rows past it are dropped and counted like the dispatch's."""
+        if self.capacity_factor is None:
+            return None
+        balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
+        wanted = math.ceil(self.capacity_factor * balanced / PADDED_ROWS_STEP) * PADDED_ROWS_STEP
+        capacity = min(num_rows, max(PADDED_ROWS_STEP, wanted))
+        return capacity if capacity <= PADDED_MAX_ROWS else None
+
+    def _experts_padded(
+        self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int
+    ) -> torch.Tensor:
+        """One batched GEMM per projection over [experts, capacity] padded rows: each row's slot
+        is its expert's block plus its rank among that expert's rows (a fast inner-dimension scan,
+        as in the dispatch)."""
+        n, hidden = w13.shape[0], x.shape[1]
+        trash = n * capacity
+        ids = torch.arange(n, device=x.device)[:, None]
+        rank = (expert == ids).cumsum(1).gather(0, expert.clamp(min=0)[None])[0] - 1
+        kept = (expert >= 0) & (rank < capacity)
+        self.overflow_count += ((expert >= 0) & ~kept).sum()
+        slot = torch.where(kept, expert * capacity + rank, trash)
+        padded = x.new_empty(trash + 1, hidden).index_copy_(0, slot, x)[:trash].view(n, capacity, hidden)
+        gate_up = torch.bmm(padded, w13.transpose(1, 2))
+        act = swiglu(gate_up.view(trash, -1)).view(n, capacity, -1)
+        out = torch.bmm(act, w2.transpose(1, 2)).view(trash, hidden)
+        return torch.cat([out, out.new_zeros(1, hidden)])[slot]
 
     @staticmethod
     def _experts_grouped(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
