@@ -11,11 +11,20 @@ if ! python3 -c "import greenlet" 2>/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# flash-attn 4 (scripts/stage_flash_attn4.sh): its first piece copied to /tmp by the flash_stage
+# part of the call before, its second carried in .fa4b/ now; every part below then runs with it
+# (--attention auto takes it).
+if [ -f /tmp/site.tar.xz.part-aa ] && compgen -G ".fa4b/site.tar.xz.part-*" >/dev/null; then
+  if [ ! -d /tmp/fa4site ]; then
+    mkdir -p /tmp/fa4site && cat /tmp/site.tar.xz.part-aa .fa4b/site.tar.xz.part-* | xz -d | tar -x -C /tmp/fa4site || exit 1
+  fi
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages  # the DSL's .pth, by hand
+fi
 run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 \
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests modes sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash: on request
+parts=${GPU_CHECK_PARTS:-tests modes sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -68,24 +77,26 @@ if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as t
   done
   tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
 fi
+want expert_gemm && timeout 120 python3 scripts/bench_expert_gemm.py | tee "$OUT/expert_gemm.log"
 if want modes; then  # one H200: every overlap mode from graphs, no communication, then over the link stand-in
   # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
   modes="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --modes overlap,pipeline2,pipeline4,split2,split2+pipeline2"
+  decode="$modes,split2+join,split2+join+pipeline2,split2+join+pipeline4 --workload decode --tokens 256,1024"
   run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
-  run1 120 $modes --preset moe-bench --workload decode --tokens 256,1024 --out "$OUT/modes_moe_decode_nocomm.json" | tail -12
-  run1 120 $modes --preset moe-bench --workload decode --tokens 256,1024 --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -14
+  run1 150 $decode --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -20
+  timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
+    | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
+  run1 150 $decode --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -20
   run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -9
-  run1 120 $modes --preset deepseek-bench --workload decode --tokens 256,1024 --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -14
+  run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -20
   run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -9
 fi
-# flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, flash right after
+# flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, the rest right after
 want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa
 if want flash; then
-  mkdir -p /tmp/fa4site && cat /tmp/site.tar.xz.part-aa .fa4b/site.tar.xz.part-* | xz -d | tar -x -C /tmp/fa4site || exit 1
-  fa4=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages  # the second: the DSL's .pth, by hand
-  PYTHONPATH=$PYTHONPATH:$fa4 timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \
     tests/test_attention.py 2>&1 | tee "$OUT/gpu_flash_tests.log" | tail -8
-  PYTHONPATH=$PYTHONPATH:$fa4 timeout 150 python3 benchmarks/h200x2/explore/flash_attn4_paged.py 2>&1 | tee "$OUT/flash_attn4_paged.log"
+  timeout 150 python3 benchmarks/h200x2/explore/flash_attn4_paged.py 2>&1 | tee "$OUT/flash_attn4_paged.log"
 fi
 want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --model dense --requests 32 \
   --prompt-len 128 --max-new-tokens 64 --spec-k 2,4 --out "$OUT/spec_generate_1gpu.json" 2>&1 | tail -12

@@ -11,22 +11,17 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 from collections import defaultdict
 from typing import Any
 
-
-def family(name: str) -> str:
-    """A kernel's name without ``void``, template arguments or parameters, at most 60 characters."""
-    bare = name.removeprefix("void ")
-    return re.split(r"[<(]", bare, maxsplit=1)[0][:60] or bare[:60]
+from ubatch.bench.kernels import kernel_family
 
 
 def family_totals(config: dict[str, Any], names: list[str]) -> dict[str, tuple[int, float]]:
     """Kernel family -> (count, total ms) in one profiled configuration."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for name_id, _, _, start, end, _ in config["kernels"]:
-        entry = totals[family(names[name_id])]
+        entry = totals[kernel_family(names[name_id])]
         entry[0] += 1
         entry[1] += (end - start) / 1e3
     return {k: (int(n), ms) for k, (n, ms) in totals.items()}

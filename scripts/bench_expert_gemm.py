@@ -1,0 +1,70 @@
+"""How close the expert GEMMs of a decode step come to reading their weights at HBM speed:
+``torch._grouped_mm`` (what ``MoEFFN`` runs) against ``torch.bmm`` over the same experts with
+equal rows, for the gate/up and the down projection, at decode-sized rows per expert.
+
+``python scripts/bench_expert_gemm.py [--experts 8] [--hidden 4096] [--inter 14336]`` on one GPU;
+prints one JSON line per (op, rows per expert) with the median time over CUDA-event-timed repeats
+and the weight bytes per second it implies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def time_ms(fn, repeats: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--rows", default="16,32,64,128,256")
+    args = p.parse_args()
+    e, h, i = args.experts, args.hidden, args.inter
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    shapes = {"gate_up": (h, 2 * i), "down": (i, h)}
+    weights = {name: torch.randn(e, n, k, device=dev, dtype=dt) * 0.01 for name, (k, n) in shapes.items()}
+    for rows in map(int, args.rows.split(",")):
+        offsets = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * rows
+        for name, (k, _) in shapes.items():
+            w = weights[name]
+            x = torch.randn(e * rows, k, device=dev, dtype=dt)
+            xb = x.view(e, rows, k)
+            grouped = time_ms(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
+            batched = time_ms(lambda: torch.bmm(xb, w.transpose(1, 2)))
+            gbytes = w.numel() * w.element_size() / 1e9
+            for op, ms in (("grouped_mm", grouped), ("bmm", batched)):
+                print(
+                    json.dumps(
+                        {
+                            "op": op,
+                            "proj": name,
+                            "experts": e,
+                            "rows_per_expert": rows,
+                            "ms": round(ms, 4),
+                            "weight_TBps": round(gbytes / ms, 3),
+                        }
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

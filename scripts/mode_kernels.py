@@ -1,0 +1,94 @@
+"""What an overlap mode adds to a step's kernels: one CUDA-graph replay per mode, profiled, and
+per kernel family the count and GPU time against the unsplit step, largest change first.
+
+``python scripts/mode_kernels.py --preset moe-bench --tokens 256 --modes overlap,split2+join``
+(one GPU, no communication unless ``--link``). The summary line per mode gives the replay's span,
+the compute kernels' total, and the idle time between them (the per-kernel gaps that every extra
+kernel costs inside a graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from ubatch.attention.backends import get_backend
+from ubatch.bench.graphs import GRAPH_MODES
+from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
+from ubatch.bench.modes import GraphedMode
+from ubatch.bench.workload import make_step
+from ubatch.link import parse_link
+from ubatch.models import ModelConfig, build_model
+from ubatch.overlap import OverlapMode, parse_modes
+from ubatch.trace import Interval, busy_ms
+
+
+def summary(kernels: list[Kernel]) -> dict[str, float]:
+    compute = [k for k in kernels if not k.is_comm]
+    span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
+    busy = busy_ms([Interval(0, "compute", "k", k.start_us / 1e3, k.end_us / 1e3) for k in compute], "compute")
+    return {
+        "kernels": len(compute),
+        "span_ms": round(span / 1e3, 3),
+        "compute_sum_ms": round(sum(k.end_us - k.start_us for k in compute) / 1e3, 3),
+        "compute_idle_ms": round(span / 1e3 - busy, 3),
+    }
+
+
+def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        entry = totals[kernel_family(k.name)]
+        entry[0] += 1
+        entry[1] += (k.end_us - k.start_us) / 1e3
+    return {name: (int(n), ms) for name, (n, ms) in totals.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="moe-bench")
+    p.add_argument("--tokens", type=int, default=256, help="decode requests (one token each)")
+    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--capacity-factor", type=float, default=2.0)
+    p.add_argument("--modes", type=parse_modes, default=parse_modes("overlap,pipeline2,split2,split2+join"))
+    p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto", help="as ubatch-bench's")
+    p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
+    p.add_argument("--top", type=int, default=10)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    config = ModelConfig.preset(args.preset, num_layers=args.layers, capacity_factor=args.capacity_factor)
+    link = args.link
+    if link is not None:
+        link.prepare(device)
+    model = build_model(
+        config,
+        device=device,
+        ep_group=link,
+        attn_backend=get_backend(None if args.attention == "auto" else args.attention, device),
+    )
+    step, _ = make_step(model, [1] * args.tokens, [args.context_len] * args.tokens)
+    base: dict[str, tuple[int, float]] = {}
+    for mode in args.modes:
+        with GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
+            kernels = profile_kernels(replay, device)
+        print(json.dumps({"mode": mode.name, **summary(kernels)}), flush=True)
+        totals = families(kernels)
+        if mode == OverlapMode():
+            base = totals
+            continue
+
+        def change(fam: str) -> float:
+            return abs(totals.get(fam, (0, 0.0))[1] - base.get(fam, (0, 0.0))[1])
+
+        changed = sorted(set(base) | set(totals), key=change, reverse=True)
+        for fam in changed[: args.top]:
+            (c1, t1), (cn, tn) = base.get(fam, (0, 0.0)), totals.get(fam, (0, 0.0))
+            print(f"  {fam:60s} {c1:5d} -> {cn:5d}   {t1:7.3f} -> {tn:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
