@@ -110,3 +110,9 @@ def test_a_failed_join_leaves_nothing_for_the_next_call():
     with pytest.raises(ValueError, match="boom"):
         sched.run([task(failing)] * 2)
     assert sched.run([task(lambda values: values)] * 2) == [0, 1]
+
+
+def test_join_ubatches_is_public():
+    import ubatch
+
+    assert ubatch.join_ubatches is join_ubatches and "join_ubatches" in ubatch.__all__

@@ -13,7 +13,7 @@ from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
 from ubatch.link import HostLink
 from ubatch.overlap import OverlapMode
 from ubatch.policy import ModePolicy, SplitPolicy, StepCosts, calibrate
-from ubatch.scheduler import MAX_UBATCHES, current_ubatch_id, yield_ubatch
+from ubatch.scheduler import MAX_UBATCHES, current_ubatch_id, join_ubatches, yield_ubatch
 from ubatch.slicing import UBatchSlice, register_metadata_splitter, split_batch
 from ubatch.wrapper import UBatchWrapper
 
@@ -35,6 +35,7 @@ __all__ = [
     "calibrate",
     "current_ubatch_id",
     "get_forward_context",
+    "join_ubatches",
     "override_forward_context",
     "register_metadata_splitter",
     "set_forward_context",
