@@ -16,7 +16,7 @@ from torch import nn
 
 from ubatch.attention import Attention
 from ubatch.models.config import ModelConfig
-from ubatch.models.layers import RMSNorm, SelfAttention, SwiGLUMLP, frozen, init_weight
+from ubatch.models.layers import RMSNorm, SelfAttention, SwiGLUMLP, add_rms_norm, frozen, init_weight
 
 
 class DecoderLayer(nn.Module):
@@ -30,8 +30,9 @@ class DecoderLayer(nn.Module):
         self.ffn = ffn
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions)
-        return x + self.ffn(self.post_attn_norm(x))
+        norm = self.post_attn_norm
+        x, normed = add_rms_norm(x, self.attn(self.input_norm(x), positions), norm.weight, norm.eps)
+        return x + self.ffn(normed)
 
 
 class Decoder(nn.Module):

@@ -21,6 +21,7 @@ from ubatch import comm
 from ubatch.attention import Attention
 from ubatch.link import is_link
 from ubatch.models.config import ModelConfig
+from ubatch.models.fusion import fused
 from ubatch.models.swiglu import swiglu
 
 
@@ -73,7 +74,21 @@ class RMSNorm(nn.Module):
         self.weight = frozen(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
+@fused
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm): a residual add and the next block's norm in one pass."""
+    total = x + delta
+    return total, F.rms_norm(total.float(), weight.shape, weight.float(), eps).to(total.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,11 +104,16 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, heads * head_dim]``, every head of token t rotated by position ``positions[t]``."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x.unflatten(-1, (-1, self.head_dim)).float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.flatten(1).to(x.dtype)
+        return rotate_neox(x, positions, self.inv_freq, self.head_dim)
+
+
+@fused
+def rotate_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.view(x.shape[0], -1, head_dim).float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.flatten(1).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):

@@ -24,6 +24,7 @@ from torch import nn
 from ubatch import comm, islands, scheduler
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
+from ubatch.models.fusion import fused
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.swiglu import swiglu
 
@@ -122,7 +123,6 @@ class MoEFFN(nn.Module):
                 shape, seed=config.seed, name=f"{self.name}.{name}", std=fan_in**-0.5, dtype=dtype, device=device
             )
 
-        # The router stays in float32: bf16 logits make near-tied routing flip between batches.
         self.router = frozen(weight("router", (config.num_experts, hidden), hidden, torch.float32))
         local = range(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
         self.w13 = frozen(
@@ -182,9 +182,7 @@ class MoEFFN(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32 summing to 1, expert ids [T, k])."""
-        probs = F.linear(x.float(), self.router).softmax(dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), ids
+        return route_top_k(x, self.router, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
@@ -199,31 +197,9 @@ class MoEFFN(nn.Module):
         group_rows = world * cap
         trash = k * group_rows
 
-        # Slot of each (token, expert) assignment in the send buffer: group-major, then
-        # destination, in token order within a (group, destination) bucket; assignments past
-        # capacity go to the trash row. The count runs along one contiguous row per bucket, a fast
-        # inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
-        # benchmarks/h200x2/explore/moe_dispatch_scan.log).
-        local = (ids % n_local).flatten()
-        bucket = local // (n_local // k) * world + (ids // n_local).flatten()
-        # The bucket ids are made per call, not kept: a captured graph keeps its own, whatever
-        # expert_chunks is set to later.
-        buckets = torch.arange(k * world, device=x.device)[:, None]
-        pos = (bucket == buckets).cumsum(1).gather(0, bucket[None])[0] - 1
-        kept = pos < cap
-        slot = torch.where(kept, bucket * cap + pos, trash)
+        slot, dropped, send = dispatch_plan(x, ids, n_local, k, world, cap)
         if cap < num_tokens * self.top_k:
-            self.overflow_count += (~kept).sum()
-
-        # The local expert id rides in extra columns (exact in any float dtype for ids < 256), so
-        # one all-to-all carries rows and routing. The row stays a multiple of 16 bytes: NCCL is
-        # far slower on misaligned per-peer chunks. Padding rows carry id -1 and are never read
-        # back, so only their id column is written.
-        extra = 16 // x.element_size()
-        send = x.new_empty(trash + 1, hidden + extra)
-        send[:, hidden:] = -1
-        expert_col = local[:, None].to(x.dtype).expand(-1, extra)
-        send.index_copy_(0, slot, torch.cat([x.repeat_interleave(self.top_k, dim=0), expert_col], dim=1))
+            self.overflow_count += dropped
         recv = torch.empty_like(send[:trash])
         groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
         dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
@@ -245,9 +221,7 @@ class MoEFFN(nn.Module):
         for handle in combines:
             _wait(handle)
 
-        routed = back[slot].view(num_tokens, self.top_k, hidden).float()
-        out = (routed * weights[..., None]).sum(dim=1).to(x.dtype)
-        return out if shared is None else out + shared
+        return combine_rows(back, slot, weights, shared)
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
@@ -261,8 +235,8 @@ class MoEFFN(nn.Module):
                 _wait(part.dispatches[g])
             rows = [part.recv[part.groups[g]] for part in parts]
             joined = rows[0] if len(rows) == 1 else torch.cat(rows)
-            out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
-            outputs = out.split([len(r) for r in rows])
+            expert_out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
+            outputs = expert_out.split([len(r) for r in rows])
             for part, out, handles in zip(parts, outputs, combines):
                 part.combine_inputs.append(out)
                 handles.append(_start_all_to_all(part.back[part.groups[g]], out, self.ep_group))
@@ -303,16 +277,11 @@ class MoEFFN(nn.Module):
         is its expert's block plus its rank among that expert's rows (a fast inner-dimension scan,
         as in the dispatch)."""
         n, hidden = w13.shape[0], x.shape[1]
-        trash = n * capacity
-        ids = torch.arange(n, device=x.device)[:, None]
-        rank = (expert == ids).cumsum(1).gather(0, expert.clamp(min=0)[None])[0] - 1
-        kept = (expert >= 0) & (rank < capacity)
-        self.overflow_count += ((expert >= 0) & ~kept).sum()
-        slot = torch.where(kept, expert * capacity + rank, trash)
-        padded = x.new_empty(trash + 1, hidden).index_copy_(0, slot, x)[:trash].view(n, capacity, hidden)
+        padded, slot, dropped = pad_expert_rows(x, expert, n, capacity)
+        self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
-        act = swiglu(gate_up.view(trash, -1)).view(n, capacity, -1)
-        out = torch.bmm(act, w2.transpose(1, 2)).view(trash, hidden)
+        act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
+        out = torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, hidden)
         return torch.cat([out, out.new_zeros(1, hidden)])[slot]
 
     @staticmethod
@@ -336,6 +305,76 @@ class MoEFFN(nn.Module):
             gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
             out += torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, w2[e]), 0)
         return out
+
+
+def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left unfused: a token's experts must not depend on how its batch was cut, and a compiled
+    kernel's reduction order may change with the shapes it was specialised for, flipping a
+    near-tie. The router stays in float32 for the same reason (bf16 logits flip them too)."""
+    probs = F.linear(x.float(), router).softmax(dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+@fused
+def dispatch_plan(
+    x: torch.Tensor, ids: torch.Tensor, n_local: int, chunks: int, world: int, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slot of each (token, expert) assignment in the send buffer, assignments dropped, the send
+    buffer [chunks * world * cap + 1, hidden + extra] with every kept row in its slot).
+
+    Slots are group-major, then destination, in token order within a (group, destination)
+    bucket; assignments past capacity go to the last (trash) row. The count runs along one
+    contiguous row per bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower
+    on an H200: benchmarks/h200x2/explore/moe_dispatch_scan.log). The bucket ids are made per
+    call, not kept: a captured graph keeps its own, whatever expert_chunks is set to later.
+
+    The local expert id rides in extra columns (exact in any float dtype for ids < 256), so one
+    all-to-all carries rows and routing. The row stays a multiple of 16 bytes: NCCL is far slower
+    on misaligned per-peer chunks. Padding rows carry id -1 and are never read back, so only their
+    id column is written.
+    """
+    trash = chunks * world * cap
+    local = (ids % n_local).flatten()
+    bucket = local // (n_local // chunks) * world + (ids // n_local).flatten()
+    buckets = torch.arange(chunks * world, device=x.device)[:, None]
+    pos = (bucket == buckets).cumsum(1).gather(0, bucket[None])[0] - 1
+    kept = pos < cap
+    slot = torch.where(kept, bucket * cap + pos, trash)
+    hidden, extra = x.shape[1], 16 // x.element_size()
+    send = x.new_empty(trash + 1, hidden + extra)
+    send[:, hidden:] = -1
+    expert_col = local[:, None].to(x.dtype).expand(-1, extra)
+    rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
+    return slot, (~kept).sum(), send.index_copy_(0, slot, rows)
+
+
+@fused
+def combine_rows(
+    back: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each token's expert rows gathered back from their slots, weighted and summed (plus the
+    shared experts' output)."""
+    num_tokens, top_k = weights.shape
+    routed = back[slot].view(num_tokens, top_k, back.shape[1]).float()
+    out = (routed * weights[..., None]).sum(dim=1).to(back.dtype)
+    return out if shared is None else out + shared
+
+
+@fused
+def pad_expert_rows(
+    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows in [experts, capacity, hidden] blocks, each row's slot there or the trash slot past
+    them, rows dropped): a row's slot is its expert's block plus its rank among that expert's rows
+    (the dispatch's inner-dimension scan). Padding rows (expert -1) go to the trash slot."""
+    trash = num_experts * capacity
+    ids = torch.arange(num_experts, device=x.device)[:, None]
+    rank = (expert == ids).cumsum(1).gather(0, expert.clamp(min=0)[None])[0] - 1
+    kept = (expert >= 0) & (rank < capacity)
+    slot = torch.where(kept, expert * capacity + rank, trash)
+    padded = x.new_empty(trash + 1, x.shape[1]).index_copy_(0, slot, x)[:trash]
+    return padded.view(num_experts, capacity, x.shape[1]), slot, ((expert >= 0) & ~kept).sum()
 
 
 class MoEDecoder(Decoder):

@@ -1,0 +1,113 @@
+"""The fused glue: every function traces whole under torch.compile with dynamic shapes and gives
+the plain function's values at two sizes; on CPU (and under ``eager_glue``) nothing is compiled;
+on the GPU the fused model equals the plain one, eager and replayed from a FULL graph.
+
+Tolerance: CPU float32 traced with the eager backend, exact; GPU bf16, atol = rtol = 2e-2 (fused
+kernels sum in another order).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.test_ubatch_models import _forward
+from ubatch.bench.workload import make_step
+from ubatch.intercept import CollectiveInterceptor
+from ubatch.models import ModelConfig, build_model, fusion
+from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
+from ubatch.models.moe import combine_rows, dispatch_plan, pad_expert_rows, route_top_k
+
+
+def _inputs(tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 32, generator=g)
+    router = torch.randn(8, 32, generator=g)
+    weights, ids = route_top_k(x, router, 2)
+    slot, _, send = dispatch_plan.eager(x, ids, 4, 2, 2, tokens)
+    back = torch.randn(send.shape[0], 32, generator=g)
+    expert = torch.randint(-1, 4, (3 * tokens,), generator=g)
+    return {
+        rms_norm: (x, torch.rand(32, generator=g), 1e-6),
+        add_rms_norm: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
+        rotate_neox: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
+        dispatch_plan: (x, ids, 4, 2, 2, max(1, tokens // 2)),
+        combine_rows: (back, slot, weights, torch.randn(tokens, 32, generator=g)),
+        pad_expert_rows: (torch.randn(3 * tokens, 32, generator=g), expert, 4, tokens),
+    }
+
+
+def _defined(fn, result):
+    """The parts of a result that hold defined values (the dispatch and padding buffers' spare
+    rows are left unwritten, and their trash rows take any of the dropped rows)."""
+    result = result if isinstance(result, tuple) else (result,)
+    if fn is dispatch_plan:
+        slot, dropped, send = result
+        kept = slot[slot < len(send) - 1]  # the last row is the dropped assignments' trash
+        return slot, dropped, send[:-1, 32:], send[kept]
+    if fn is pad_expert_rows:
+        padded, slot, dropped = result
+        rows = padded.flatten(0, 1)
+        return slot, dropped, rows[slot[slot < len(rows)]]
+    return result
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["rms_norm", "add_rms_norm", "rotate_neox", "dispatch_plan", "combine_rows", "pad_expert_rows"],
+)
+@pytest.mark.parametrize("in_ubatch_mode", [False, True])
+def test_each_fused_function_traces_whole_with_dynamic_shapes(name, in_ubatch_mode):
+    """Also under the collective interceptor, the function mode every ubatch runs in (a Python
+    Tensor method such as ``unflatten`` breaks the trace there)."""
+    torch._dynamo.reset()
+    fn = next(f for f in _inputs(4, 0) if f.__name__ == name)
+    traced = torch.compile(fn.eager, backend="eager", fullgraph=True, dynamic=True)
+    for tokens in (6, 11):
+        args = _inputs(tokens, tokens)[fn]
+        with CollectiveInterceptor() if in_ubatch_mode else contextlib.nullcontext():
+            got = traced(*args)
+        for g, expected in zip(_defined(fn, got), _defined(fn, fn.eager(*args)), strict=True):
+            torch.testing.assert_close(g, expected, atol=0, rtol=0)
+
+
+def test_cpu_tensors_and_eager_glue_never_compile(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile was called")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    x, weight = torch.randn(3, 8), torch.rand(8)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+    if torch.cuda.is_available():
+        with fusion.eager_glue():
+            rms_norm(x.cuda(), weight.cuda(), 1e-6)
+
+
+@pytest.mark.cuda
+def test_fused_model_equals_plain_model_eager_and_replayed():
+    from ubatch import CUDAGraphMode
+    from ubatch.graphed import GraphedModel
+
+    config = ModelConfig(
+        num_experts=8,
+        top_k=2,
+        hidden_size=128,
+        moe_intermediate_size=128,
+        num_shared_experts=1,
+        dtype=torch.bfloat16,
+        capacity_factor=2.0,
+    )
+    model = build_model(config, device="cuda")
+    step, _ = make_step(model, [1] * 16, [9] * 16, block_size=4)
+    with fusion.eager_glue():
+        expected = _forward(model, model, step).clone()
+    fused_eager = _forward(model, model, step).clone()
+    graphed = GraphedModel(model, max_blocks_per_req=8, capture_sizes=[16], modes=(CUDAGraphMode.FULL,))
+    graphed.capture()
+    try:
+        md = step.attn_metadata[model.layer_names[0]]
+        replayed = graphed.run(step.input_ids, step.positions, md).clone()
+    finally:
+        graphed.release()
+    torch.testing.assert_close(fused_eager, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(replayed, expected, atol=2e-2, rtol=2e-2)
