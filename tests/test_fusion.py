@@ -1,6 +1,7 @@
 """The fused glue: every function traces whole under torch.compile with dynamic shapes and gives
-the plain function's values at two sizes; on CPU (and under ``eager_glue``) nothing is compiled;
-on the GPU the fused model equals the plain one, eager and replayed from a FULL graph.
+the plain function's values at two sizes; on CPU, and outside ``fused_glue()``, nothing is
+compiled; on the GPU the fused model equals the plain one, eager and replayed from FULL graphs,
+unsplit and split with joined experts.
 
 Tolerance: CPU float32 traced with the eager backend, exact; GPU bf16, atol = rtol = 2e-2 (fused
 kernels sum in another order).
@@ -71,22 +72,25 @@ def test_each_fused_function_traces_whole_with_dynamic_shapes(name, in_ubatch_mo
             torch.testing.assert_close(g, expected, atol=0, rtol=0)
 
 
-def test_cpu_tensors_and_eager_glue_never_compile(monkeypatch):
+def test_nothing_compiles_on_cpu_or_outside_fused_glue(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.compile was called")
 
     monkeypatch.setattr(torch, "compile", refuse)
     x, weight = torch.randn(3, 8), torch.rand(8)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+    with fusion.fused_glue():
+        torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
     if torch.cuda.is_available():
-        with fusion.eager_glue():
-            rms_norm(x.cuda(), weight.cuda(), 1e-6)
+        rms_norm(x.cuda(), weight.cuda(), 1e-6)
 
 
 @pytest.mark.cuda
-def test_fused_model_equals_plain_model_eager_and_replayed():
-    from ubatch import CUDAGraphMode
+@pytest.mark.parametrize("mode_name", ["unsplit", "split2+join"])
+def test_fused_model_equals_plain_model_eager_and_replayed(mode_name):
+    from ubatch import CUDAGraphMode, split_batch
     from ubatch.graphed import GraphedModel
+    from ubatch.overlap import OverlapMode, apply_mode
+    from ubatch.wrapper import UBatchWrapper
 
     config = ModelConfig(
         num_experts=8,
@@ -98,15 +102,26 @@ def test_fused_model_equals_plain_model_eager_and_replayed():
         capacity_factor=2.0,
     )
     model = build_model(config, device="cuda")
+    mode = OverlapMode.parse(mode_name)
     step, _ = make_step(model, [1] * 16, [9] * 16, block_size=4)
-    with fusion.eager_glue():
-        expected = _forward(model, model, step).clone()
-    fused_eager = _forward(model, model, step).clone()
-    graphed = GraphedModel(model, max_blocks_per_req=8, capture_sizes=[16], modes=(CUDAGraphMode.FULL,))
-    graphed.capture()
+    expected = _forward(model, model, step).clone()
+    apply_mode(model, mode)
+    slices = split_batch([1] * 16, mode.num_ubatches) if mode.num_ubatches > 1 else None
+    runnable = UBatchWrapper(model, num_ubatches=mode.num_ubatches) if slices else model
+    with fusion.fused_glue():
+        fused_eager = _forward(runnable, model, step, slices).clone()
+        graphed = GraphedModel(
+            model,
+            max_blocks_per_req=8,
+            capture_sizes=[16],
+            ubatch_counts=(mode.num_ubatches,),
+            modes=(CUDAGraphMode.FULL,),
+        )
+        graphed.capture()
     try:
         md = step.attn_metadata[model.layer_names[0]]
-        replayed = graphed.run(step.input_ids, step.positions, md).clone()
+        assert graphed.plan(16, 16, 1, num_ubatches=mode.num_ubatches) is not None, "the capture failed"
+        replayed = graphed.run(step.input_ids, step.positions, md, num_ubatches=mode.num_ubatches).clone()
     finally:
         graphed.release()
     torch.testing.assert_close(fused_eager, expected, atol=2e-2, rtol=2e-2)

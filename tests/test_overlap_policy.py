@@ -195,3 +195,8 @@ def test_a_profiled_trace_draws_as_a_timeline_per_stream(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="no kernel or copy events"):
         plot_kernel_timeline({"traceEvents": []}, str(png), "empty")
+
+
+def test_fuse_glue_is_off_unless_asked_for():
+    assert parse_args(["--device", "cpu"]).fuse_glue is False
+    assert parse_args(["--device", "cpu", "--fuse-glue"]).fuse_glue is True

@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/overlap-modes.md)",
     )
     p.add_argument(
+        "--fuse-glue",
+        action="store_true",
+        help="compile the reference models' elementwise glue (norms, rotary, MoE dispatch plan and combine) "
+        "with torch.compile on CUDA: fewer, fused kernels (ubatch.models.fusion)",
+    )
+    p.add_argument(
         "--link",
         type=_link,
         help="one process: communicate over the host-memory link stand-in instead of a process group, "

@@ -31,6 +31,7 @@ from ubatch.bench.schedule import schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
+from ubatch.models.fusion import fused_glue
 from ubatch.models.layers import group_rank_world
 from ubatch.sm import SMPartition
 from ubatch.teardown import import_before_init
@@ -70,7 +71,13 @@ def step_shape(args: argparse.Namespace, tokens: int) -> tuple[list[int], list[i
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """This rank's report (every rank builds the same one; rank 0 draws the plot and trace)."""
+    """This rank's report (every rank builds the same one; rank 0 draws the plot and trace), with
+    the models' glue compiled under ``--fuse-glue``."""
+    with fused_glue(args.fuse_glue):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     device = run_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cpu":
         keep_freed_cpu_memory()
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_layers": config.num_layers,
         "num_experts": config.num_experts,
         "launched": args.launched,
+        "fuse_glue": args.fuse_glue,
     }
     if args.workload == "generate":
         model = build_model(config, device=device, attn_backend=attention)

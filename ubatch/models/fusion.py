@@ -3,10 +3,12 @@ compiled by ``torch.compile`` into a few fused kernels on CUDA.
 
 Why: a decode step's glue is ~85 small kernels per layer; inside a CUDA graph each costs a few
 microseconds of launch gap whatever its size, and a token split launches every one of them once
-per ubatch. Fused, the unsplit step gets closer to its roofline and a split costs less. Each
-function is compiled once with dynamic shapes (every token count and ubatch size shares one
-compilation, made by the warm-up run before any graph capture), and runs as plain torch on CPU,
-where CI has no compiler to spare, and wherever ``eager_glue()`` is in force.
+per ubatch. Fused, the unsplit step gets closer to its roofline and a split costs less.
+
+Opt-in: inside ``fused_glue()`` (the bench's ``--fuse-glue``) each function is compiled with
+dynamic shapes, so every token count and ubatch size shares one compilation, made by the warm-up
+run before any graph capture; elsewhere, and always on CPU (where CI has no compiler to spare),
+it runs as plain torch.
 """
 
 from __future__ import annotations
@@ -20,15 +22,29 @@ from typing import Any, TypeVar
 
 import torch
 
+from ubatch.teardown import import_before_init
+
+# The first compilation imports torch._dynamo, which imports torch.distributed.nn.functional;
+# imported after init_process_group, that pins the default group for the life of the process
+# (ubatch.teardown). Import it now, while a process that imports the models has no group yet.
+import_before_init()
+
 F = TypeVar("F", bound=Callable[..., Any])
 
-_fuse: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_fuse_glue", default=True)
+RECOMPILE_LIMIT = 64
+"""Compilations one function may keep: one per dtype, function-mode stack (inside a ubatch or
+not) and optional argument a process meets; dynamo's default of 8 is too few for a process that
+builds many models (the GPU test suite), and with ``fullgraph`` running out is an error."""
+
+_fuse: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_fuse_glue", default=False)
 
 
 @contextlib.contextmanager
-def eager_glue() -> Iterator[None]:
-    """Run the glue as plain torch ops in the ``with`` body (a reference to compare against)."""
-    token = _fuse.set(False)
+def fused_glue(enabled: bool = True) -> Iterator[None]:
+    """Compile the glue on CUDA in the ``with`` body (``enabled=False``: run it as plain torch ops,
+    a reference to compare against). The setting reaches every ubatch: each runs in a copy of the
+    caller's context."""
+    token = _fuse.set(enabled)
     try:
         yield
     finally:
@@ -41,8 +57,8 @@ def _triton_available() -> bool:
 
 
 def fused(fn: F) -> F:
-    """``fn`` compiled (``fullgraph``, dynamic shapes) when its first argument is a CUDA tensor,
-    else ``fn`` itself. ``fn.eager`` is the plain function."""
+    """``fn`` compiled (``fullgraph``, dynamic shapes) inside ``fused_glue()`` when its first
+    argument is a CUDA tensor, else ``fn`` itself. ``fn.eager`` is the plain function."""
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
@@ -51,7 +67,8 @@ def fused(fn: F) -> F:
             return fn(*args)
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
-        return compiled[0](*args)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled[0](*args)
 
     call.eager = fn  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
