@@ -22,6 +22,7 @@ from ubatch.bench.modes import GraphedMode
 from ubatch.bench.workload import make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
+from ubatch.models.fusion import fused_glue
 from ubatch.overlap import OverlapMode, parse_modes
 from ubatch.trace import Interval, busy_ms
 
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto", help="as ubatch-bench's")
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--fuse-glue", action="store_true", help="compile the models' glue (ubatch.models.fusion)")
     args = p.parse_args()
     device = torch.device("cuda")
     config = ModelConfig.preset(args.preset, num_layers=args.layers, capacity_factor=args.capacity_factor)
@@ -73,7 +75,7 @@ def main() -> None:
     step, _ = make_step(model, [1] * args.tokens, [args.context_len] * args.tokens)
     base: dict[str, tuple[int, float]] = {}
     for mode in args.modes:
-        with GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
+        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
             kernels = profile_kernels(replay, device)
         print(json.dumps({"mode": mode.name, **summary(kernels)}), flush=True)
         totals = families(kernels)
