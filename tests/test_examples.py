@@ -35,6 +35,15 @@ def test_example_in_one_process(example):
     _check(_python(f"examples/{example}.py"), interleaved=True)  # a group of one rank still yields
 
 
+def test_joined_stage_example_runs_the_wide_part_once_per_layer():
+    result = _python("examples/joined_stage.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for n in (2, 3):
+        assert f"N={n}: equals the unwrapped model: True; rows per wide call, per layer: [[10], [10], [10]]" in (
+            result.stdout
+        ), result.stdout
+
+
 def test_transformers_tp_example_under_torchrun():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' tp_plan loading needs it
