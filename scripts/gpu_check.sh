@@ -24,7 +24,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 
-parts=${GPU_CHECK_PARTS:-tests modes sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -78,6 +78,10 @@ if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as t
   tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
 fi
 want expert_gemm && timeout 120 python3 scripts/bench_expert_gemm.py | tee "$OUT/expert_gemm.log"
+if want link; then  # the link stand-in alone: its GPU tests, then what it reaches by payload size
+  timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_link.py 2>&1 | tee "$OUT/gpu_link_tests.log" | tail -3
+  timeout 120 python3 scripts/link_bandwidth.py --out "$OUT/link_bandwidth.json" 2>&1 | tee "$OUT/link_bandwidth.log" | tail -20
+fi
 if want modes; then  # one H200: every overlap mode from graphs, no communication, then over the link stand-in
   # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
   modes="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --modes overlap,pipeline2,pipeline4,split2,split2+pipeline2"
@@ -90,6 +94,18 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -9
   run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -20
   run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -9
+fi
+if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
+  fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
+  fused="$fused --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"
+  run1 200 $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -16
+  run1 200 $fused --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10_fused.json" | tail -16
+  run1 200 $fused --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_fused.json" | tail -16
+  for preset_link in moe-bench:host:10 deepseek-bench:host:33; do
+    timeout 200 python3 scripts/mode_kernels.py --preset "${preset_link%%:*}" --link "${preset_link#*:}" --fuse-glue \
+      --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2 --top 8 2>&1 | grep -v -i warn \
+      | tee "$OUT/mode_kernels_${preset_link%%:*}_decode256_link_fused.log"
+  done
 fi
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, the rest right after
 want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa

@@ -1,5 +1,7 @@
 """What an overlap mode adds to a step's kernels: one CUDA-graph replay per mode, profiled, and
 per kernel family the count and GPU time against the unsplit step, largest change first.
+With ``--link``, the summary also says how long the transfers ran and how much of that no
+compute kernel hid (``exposed_comm_ms``).
 
 ``python scripts/mode_kernels.py --preset moe-bench --tokens 256 --modes overlap,split2+join``
 (one GPU, no communication unless ``--link``). The summary line per mode gives the replay's span,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import defaultdict
 
 import torch
@@ -28,14 +31,22 @@ from ubatch.trace import Interval, busy_ms
 
 
 def summary(kernels: list[Kernel]) -> dict[str, float]:
+    """The replay's span; its compute kernels' count, summed time and the idle time between them;
+    the communication's busy time, and how much of it ran while no compute kernel did."""
     compute = [k for k in kernels if not k.is_comm]
     span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
-    busy = busy_ms([Interval(0, "compute", "k", k.start_us / 1e3, k.end_us / 1e3) for k in compute], "compute")
+    intervals = [
+        Interval(0, "comm" if k.is_comm else "compute", k.name, k.start_us / 1e3, k.end_us / 1e3) for k in kernels
+    ]
+    busy = busy_ms(intervals, "compute")
+    either = busy_ms([Interval(0, "any", "k", i.start_ms, i.end_ms) for i in intervals], "any")
     return {
         "kernels": len(compute),
         "span_ms": round(span / 1e3, 3),
         "compute_sum_ms": round(sum(k.end_us - k.start_us for k in compute) / 1e3, 3),
         "compute_idle_ms": round(span / 1e3 - busy, 3),
+        "comm_ms": round(busy_ms(intervals, "comm"), 3),
+        "exposed_comm_ms": round(either - busy, 3),
     }
 
 
@@ -60,7 +71,10 @@ def main() -> None:
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--fuse-glue", action="store_true", help="compile the models' glue (ubatch.models.fusion)")
+    p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE.json)")
     args = p.parse_args()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     device = torch.device("cuda")
     config = ModelConfig.preset(args.preset, num_layers=args.layers, capacity_factor=args.capacity_factor)
     link = args.link
@@ -76,7 +90,8 @@ def main() -> None:
     base: dict[str, tuple[int, float]] = {}
     for mode in args.modes:
         with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
-            kernels = profile_kernels(replay, device)
+            trace = os.path.join(args.trace_dir, f"{mode.name}.json") if args.trace_dir else None
+            kernels = profile_kernels(replay, device, chrome_trace=trace)
         print(json.dumps({"mode": mode.name, **summary(kernels)}), flush=True)
         totals = families(kernels)
         if mode == OverlapMode():

@@ -296,12 +296,15 @@ def test_mode_kernels_summarises_a_replay_and_groups_families():
         Kernel("void gemm<float>(int)", 0.0, 100.0),
         Kernel("void gemm<bf16>(int)", 110.0, 210.0),
         Kernel("add_kernel", 260.0, 270.0),
-        Kernel("ncclDevKernel_AllToAll", 0.0, 300.0),
+        Kernel("ncclDevKernel_AllToAll", 250.0, 350.0),
     ]
+    # the transfer runs 0.1 ms, 0.01 of it under add_kernel: 0.09 ms exposed
     assert mode_kernels.summary(kernels) == {
         "kernels": 3,
-        "span_ms": 0.3,
+        "span_ms": 0.35,
         "compute_sum_ms": 0.21,
-        "compute_idle_ms": 0.09,
+        "compute_idle_ms": 0.14,
+        "comm_ms": 0.1,
+        "exposed_comm_ms": 0.09,
     }
     assert mode_kernels.families(kernels[:3]) == {"gemm": (2, 0.2), "add_kernel": (1, 0.01)}

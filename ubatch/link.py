@@ -25,11 +25,13 @@ and joins back to the current stream, needs no host sync and can be captured in 
 The all-to-all and gather / scatter outputs are written by the transfer itself, so a consumer
 that does not wait for the collective reads stale data, as it would over a real link. The first
 use outside a capture (or ``prepare()``) allocates the ring and side stream and calibrates: it
-synchronises the device once and times unthrottled round trips of 256 KiB-64 MiB (tens of ms).
-A bandwidth below what the copies reach is enforced by ``torch.cuda._sleep`` kernels (one thread
-in one block, no SM's compute) on the D2H stream, one per chunk, for the time the calibration
-says is missing; the sleep's cycles per second are measured once per device. The SM clock
-drops under heavy load, which makes the sleeps, and so the throttled link, somewhat slower.
+synchronises the device and times a few round trips of 1 and 64 MiB (tens of ms).
+A bandwidth below what the copies reach is enforced on the copy engine itself: before each chunk
+the D2H stream copies ``pad_ratio`` times the chunk's bytes from a device scratch buffer into
+pinned memory, so every payload, large or small, takes its bytes over the set bandwidth (plus the
+copies' own latency), no SM runs anything for it, and the pacing does not depend on what the SMs
+are doing. The ratio is the copy engines' rate over the set bandwidth, corrected once from a
+padded measurement.
 
 CPU: nothing moves. A collective sets the values (identity) and returns a ``LinkWork`` that
 completes ``bytes / bandwidth`` seconds after the link is free (transfers queue one after
@@ -44,10 +46,8 @@ any CUDA graph that captured it. An eager collective on a new stream waits for t
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -60,8 +60,10 @@ RING_SLOTS = 4  # pinned slots: D2H runs up to this many chunks ahead of H2D
 MIN_CHUNK_BYTES = 256 << 10
 CHUNK_ALIGN = 64 << 10
 MIN_PIECES = 4  # payloads are cut into at least this many chunks (unless chunks get too small)
-CALIBRATION_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
-CALIBRATION_REPEATS = 3
+CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
+CALIBRATION_REPEATS = 4
+HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
+MAX_PAD_CHUNKS = 16  # the padding scratch buffers hold at most this many chunks
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -73,8 +75,6 @@ _ONE_RANK_OPS = (
     dist.ReduceOp.BOR,
     dist.ReduceOp.BXOR,
 )
-
-_CYCLES_PER_SECOND: dict[int, float] = {}
 
 
 class LinkWork:
@@ -165,60 +165,9 @@ def chunk_plan(total: int, length: int, chunk_bytes: int) -> list[tuple[int, int
     return pieces
 
 
-@dataclass(frozen=True)
-class CopyModel:
-    """Unthrottled round-trip time against payload size, from calibration: piecewise linear
-    between the measured sizes, flat below the smallest (latency-bound), and in proportion to size
-    beyond the largest (where pipelined chunks leave little latency)."""
-
-    sizes: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.sizes or len(self.sizes) != len(self.seconds):
-            raise ValueError(f"CopyModel needs one time per size, got {self.sizes} and {self.seconds}")
-
-    def time(self, nbytes: int) -> float:
-        sizes, seconds = self.sizes, self.seconds
-        if nbytes <= sizes[0]:
-            return seconds[0]
-        if nbytes >= sizes[-1]:
-            return seconds[-1] * nbytes / sizes[-1]
-        i = next(i for i in range(1, len(sizes)) if nbytes <= sizes[i])
-        slope = max(0.0, (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1]))
-        return seconds[i - 1] + slope * (nbytes - sizes[i - 1])
-
-    def gbps(self) -> float:
-        """The bandwidth reached at the largest calibrated size."""
-        return self.sizes[-1] / self.seconds[-1] / 1e9
-
-
-def sleep_cycles_per_second(device: torch.device) -> float:
-    """Clock cycles per second of ``torch.cuda._sleep`` on ``device``, measured once and cached:
-    the slope of the sleep's time between 1M and 11M cycles (launch overhead cancels)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CYCLES_PER_SECOND:
-        stream = torch.cuda.Stream(index)
-        with torch.cuda.device(index), torch.cuda.stream(stream):
-            torch.cuda._sleep(10_000_000)  # wake the clocks up
-
-            def timed(cycles: int) -> float:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                torch.cuda._sleep(cycles)
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-
-            short, long = 1_000_000, 11_000_000
-            rates = [(long - short) / (timed(long) - timed(short)) for _ in range(3)]
-        _CYCLES_PER_SECOND[index] = statistics.median(rates)
-    return _CYCLES_PER_SECOND[index]
-
-
 class _CudaStaging:
     """The CUDA side of one HostLink on one device: the pinned ring, the H2D side stream, the
-    events that order each slot's reuse, and the calibration that sets the throttle."""
+    events that order each slot's reuse, and the padding copies that set the throttle."""
 
     def __init__(self, device: torch.device, chunk_bytes: int, bandwidth_gbps: float | None) -> None:
         if torch.cuda.is_current_stream_capturing():
@@ -228,7 +177,6 @@ class _CudaStaging:
             )
         self.device = device
         self.chunk_bytes = chunk_bytes
-        self.bandwidth_gbps = bandwidth_gbps
         self.side = torch.cuda.Stream(device)
         ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self.slots = [ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
@@ -236,42 +184,47 @@ class _CudaStaging:
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
         self.last_stream: Any = None
-        self.cycles_per_second: float | None = None
-        self.copy_model = self._calibrate(throttled=False)
-        self.reached_gbps = self.copy_model.gbps()
-        if bandwidth_gbps is not None and bandwidth_gbps < self.reached_gbps:
-            self.cycles_per_second = sleep_cycles_per_second(device)
-            throttled = self._calibrate(throttled=True, sizes=CALIBRATION_BYTES[-1:])
-            self.reached_gbps = throttled.gbps()
+        self.pad_ratio = 0.0  # padding bytes the D2H engine copies per byte moved
+        self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
+        self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
+        if bandwidth_gbps is not None and bandwidth_gbps < self.copy_gbps:
+            self.pad_ratio = self.copy_gbps / bandwidth_gbps - 1
+            # One padding copy per chunk up to 16 chunks' worth: launches are the eager path's cost.
+            pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio))
+            self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=device)
+            self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
+            # One correction from a padded measurement: padding shares the engine's per-copy costs.
+            self.pad_ratio = (1 + self.pad_ratio) * self._measure(CALIBRATION_BYTES[-1]) / bandwidth_gbps - 1
+        self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
 
-    def _calibrate(self, *, throttled: bool, sizes: Sequence[int] = CALIBRATION_BYTES) -> CopyModel:
-        """Median round-trip time of each size on an idle device, on a private stream."""
+    def _measure(self, nbytes: int) -> float:
+        """GB/s of back-to-back round trips of ``nbytes`` on an idle device, on a private stream
+        held behind a sleep while the host enqueues them, so the figure is the device's and not
+        the Python launch rate."""
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
-        times = []
         with torch.cuda.stream(stream):
-            scratch = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+            scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self.round_trip(scratch, scratch, nbytes)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for nbytes in sizes:
-                view = scratch[:nbytes]
-                self.round_trip(view, view, nbytes, throttled=throttled)
-                samples = []
-                for _ in range(CALIBRATION_REPEATS):
-                    start.record()
-                    self.round_trip(view, view, nbytes, throttled=throttled)
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end) / 1e3)
-                times.append(statistics.median(samples))
-        return CopyModel(tuple(sizes), tuple(times))
+            torch.cuda._sleep(HOLD_CYCLES)
+            start.record()
+            for _ in range(CALIBRATION_REPEATS):
+                self.round_trip(scratch, scratch, nbytes)
+            end.record()
+            end.synchronize()
+        return CALIBRATION_REPEATS * nbytes / max(start.elapsed_time(end) / 1e3, 1e-9) / 1e9
 
-    def sleep_seconds(self, total: int) -> float:
-        """The time the throttle adds to an unthrottled round trip of ``total`` bytes."""
-        if self.cycles_per_second is None:
-            return 0.0
-        return max(0.0, total / (self.bandwidth_gbps * 1e9) - self.copy_model.time(total))
+    def _pad(self, size: int) -> None:
+        """Hold the D2H engine for ``pad_ratio * size`` more bytes (copies of a scratch buffer into
+        pinned memory), so a chunk of ``size`` bytes takes as long as the set bandwidth allows."""
+        remaining = round(self.pad_ratio * size)
+        while remaining > 0:
+            n = min(remaining, len(self.pad_src))
+            self.pad_dst[:n].copy_(self.pad_src[:n], non_blocking=True)
+            remaining -= n
 
-    def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int, *, throttled: bool = True) -> None:
+    def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
         """Move ``total`` bytes from byte buffer ``src`` through pinned memory into ``dst`` (the
         same length; the same buffer for an in-place round trip), going round it again while
         bytes remain, all ordered on the current stream."""
@@ -282,14 +235,10 @@ class _CudaStaging:
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self.last_stream is not None and self.last_stream != current:
             current.wait_event(self.done)  # the previous collective's stream still owns the ring
-        cycles = 0
-        if throttled and self.cycles_per_second is not None:
-            cycles = round(self.sleep_seconds(total) / len(pieces) * self.cycles_per_second)
         for k, (offset, size) in enumerate(pieces):
             j = k % RING_SLOTS
             slot = self.slots[j][:size]
-            if cycles:
-                torch.cuda._sleep(cycles)  # before the copy, so the last H2D does not hide under it
+            self._pad(size)  # before the copy, so the last H2D does not hide under it
             if k >= RING_SLOTS:
                 current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
             slot.copy_(src[offset : offset + size], non_blocking=True)
@@ -358,12 +307,15 @@ class HostLink:
             self._staging()
 
     def describe(self) -> dict[str, Any]:
-        """The link for reports; every figure that uses it must say it is the stand-in."""
+        """The link for reports; every figure that uses it must say it is the stand-in.
+        ``bandwidth_reached_gbps`` is measured at the largest payload of ``reached_gbps_by_bytes``."""
         cpu = self.device is not None and self.device.type == "cpu"
+        by_bytes: dict[int, float] | None = None
         if cpu:
             reached, copy_gbps = self.bandwidth_gbps or DEFAULT_CPU_GBPS, None
         elif self._cuda is not None:
-            reached, copy_gbps = self._cuda.reached_gbps, self._cuda.copy_model.gbps()
+            by_bytes, copy_gbps = self._cuda.reached_gbps, self._cuda.copy_gbps
+            reached = by_bytes[CALIBRATION_BYTES[-1]]
         else:
             reached = copy_gbps = None
         return {
@@ -371,8 +323,8 @@ class HostLink:
             "world_size": self.world_size,
             "bandwidth_set_gbps": self.bandwidth_gbps,
             "bandwidth_reached_gbps": reached,
+            "reached_gbps_by_bytes": by_bytes,
             "copy_engine_gbps": copy_gbps,
-            "reached_at_bytes": None if cpu or copy_gbps is None else CALIBRATION_BYTES[-1],
             "device": None if self.device is None else str(self.device),
             "method": "cpu deadline, no data moved" if cpu else "pinned host round trip on the copy engines",
         }

@@ -3,7 +3,7 @@
 No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing of a replay; the
 GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
 kernel compute. So are the link stand-in's (``ubatch.link``) copies between device and pinned
-host memory and its pacing sleeps (``spin_kernel``); other copies and memsets count as neither.
+host memory (its pacing included); other copies and memsets count as neither.
 An NCCL kernel's time includes spinning until the other ranks arrive; gathered over the ranks,
 the kernels split it into transfer and waiting (``transfer_ms``).
 """
@@ -59,7 +59,7 @@ def is_comm_activity(name: str) -> bool:
 
 
 def _is_link_activity(name: str) -> bool:
-    return "spin_kernel" in name or ("pinned" in name and ("dtoh" in name or "htod" in name))
+    return "pinned" in name and ("dtoh" in name or "htod" in name)
 
 
 def kernels_in_trace(trace: dict[str, Any]) -> list[Kernel]:
