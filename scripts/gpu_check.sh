@@ -2,6 +2,8 @@
 # On the GPU machine (two H200s): every GPU test, then the benchmarks behind the README's GPU
 # figures. Outputs go to $OUT (default ./out). greenlet is installed from .whl/ when the image
 # lacks it (see README: "Tests"). GPU_CHECK_PARTS picks parts (default: all, in this order).
+# GPU_CHECK_PACK=1 packs every output into one $OUT/gpu_check.tar.gz at the end (for a machine
+# that hands back only a few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -119,5 +121,9 @@ want spec && timeout 240 python3 -m ubatch.bench --workload generate --graphs --
 if want generate; then  # DP+EP serving, every step split, then only the steps a calibrated policy picks
   run2 120 scripts/torchrun_generate.py --model moe --num-ubatches 2 | tail -4 | tee "$OUT/torchrun_generate.log"
   run2 180 scripts/torchrun_generate.py --model moe --num-ubatches 2 --split-policy auto | tail -4 | tee -a "$OUT/torchrun_generate.log"
+fi
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+  tar -C "$OUT" -czf /tmp/gpu_check.tar.gz --exclude gpu_check.tar.gz . && find "$OUT" -mindepth 1 -delete \
+    && mv /tmp/gpu_check.tar.gz "$OUT/"
 fi
 exit 0
