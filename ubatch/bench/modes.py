@@ -6,8 +6,8 @@ with the unsplit step of the same run:
 
 - ``speedup``: unsplit median over the mode's median;
 - ``compute_ms`` / ``comm_ms``: how long compute and communication were busy in the unsplit step
-  (graphs: from its profiled kernels, where the link stand-in's host copies and pacing kernel
-  count as communication; eager: the serial trace of ``ubatch.bench.measure``); the ideal is
+  (graphs: from its profiled kernels, where the link stand-in's host copies, its pacing
+  included, count as communication; eager: the serial trace of ``ubatch.bench.measure``); the ideal is
   (C + M) / max(C, M) and ``efficiency`` (speedup - 1) / (ideal - 1);
 - ``auto``: the mode the policy picks from a short timing of every mode right after capture (what
   a runner can afford at start-up), beside the best measured mode.
