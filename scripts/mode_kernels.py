@@ -59,10 +59,40 @@ def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
     return {name: (int(n), ms) for name, (n, ms) in totals.items()}
 
 
+def print_modes(model: object, tokens: int, args: argparse.Namespace, device: torch.device) -> None:
+    """One line per mode of the ``tokens``-request decode step, then its largest kernel-family
+    changes against the unsplit step."""
+    step, _ = make_step(model, [1] * tokens, [args.context_len] * tokens)
+    base: dict[str, tuple[int, float]] = {}
+    for mode in args.modes:
+        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
+            trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
+            kernels = profile_kernels(replay, device, chrome_trace=trace)
+        print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels)}), flush=True)
+        totals = families(kernels)
+        if mode == OverlapMode():
+            base = totals
+            continue
+
+        def change(fam: str) -> float:
+            return abs(totals.get(fam, (0, 0.0))[1] - base.get(fam, (0, 0.0))[1])
+
+        changed = sorted(set(base) | set(totals), key=change, reverse=True)
+        for fam in changed[: args.top]:
+            (c1, t1), (cn, tn) = base.get(fam, (0, 0.0)), totals.get(fam, (0, 0.0))
+            print(f"  {fam:60s} {c1:5d} -> {cn:5d}   {t1:7.3f} -> {tn:7.3f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="moe-bench")
-    p.add_argument("--tokens", type=int, default=256, help="decode requests (one token each)")
+    p.add_argument(
+        "--tokens",
+        type=lambda text: [int(t) for t in text.split(",")],
+        default=[256],
+        help="decode requests (one token each), comma-separated, profiled in this order in one process "
+        "(as ubatch-bench captures them)",
+    )
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--capacity-factor", type=float, default=2.0)
@@ -71,7 +101,7 @@ def main() -> None:
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--fuse-glue", action="store_true", help="compile the models' glue (ubatch.models.fusion)")
-    p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE.json)")
+    p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE_TOKENS.json)")
     args = p.parse_args()
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -86,25 +116,8 @@ def main() -> None:
         ep_group=link,
         attn_backend=get_backend(None if args.attention == "auto" else args.attention, device),
     )
-    step, _ = make_step(model, [1] * args.tokens, [args.context_len] * args.tokens)
-    base: dict[str, tuple[int, float]] = {}
-    for mode in args.modes:
-        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
-            trace = os.path.join(args.trace_dir, f"{mode.name}.json") if args.trace_dir else None
-            kernels = profile_kernels(replay, device, chrome_trace=trace)
-        print(json.dumps({"mode": mode.name, **summary(kernels)}), flush=True)
-        totals = families(kernels)
-        if mode == OverlapMode():
-            base = totals
-            continue
-
-        def change(fam: str) -> float:
-            return abs(totals.get(fam, (0, 0.0))[1] - base.get(fam, (0, 0.0))[1])
-
-        changed = sorted(set(base) | set(totals), key=change, reverse=True)
-        for fam in changed[: args.top]:
-            (c1, t1), (cn, tn) = base.get(fam, (0, 0.0)), totals.get(fam, (0, 0.0))
-            print(f"  {fam:60s} {c1:5d} -> {cn:5d}   {t1:7.3f} -> {tn:7.3f} ms")
+    for tokens in args.tokens:
+        print_modes(model, tokens, args, device)
 
 
 if __name__ == "__main__":
