@@ -93,6 +93,11 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
   run1 150 $decode --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -20
+  # what a prefill split adds (its cost without communication) and leaves exposed over the link
+  for link in none host:27; do
+    timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
+      --modes pipeline2,split2,split3 --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
+  done
   run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -9
   run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -20
   run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -9

@@ -4,7 +4,8 @@ With ``--link``, the summary also says how long the transfers ran and how much o
 compute kernel hid (``exposed_comm_ms``).
 
 ``python scripts/mode_kernels.py --preset moe-bench --tokens 256 --modes overlap,split2+join``
-(one GPU, no communication unless ``--link``). The summary line per mode gives the replay's span,
+(one GPU, no communication unless ``--link``; ``--workload prefill`` profiles prompts replayed
+from PIECEWISE graphs instead). The summary line per mode gives the replay's span,
 the compute kernels' total, and the idle time between them (the per-kernel gaps that every extra
 kernel costs inside a graph).
 """
@@ -60,12 +61,17 @@ def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
 
 
 def print_modes(model: object, tokens: int, args: argparse.Namespace, device: torch.device) -> None:
-    """One line per mode of the ``tokens``-request decode step, then its largest kernel-family
-    changes against the unsplit step."""
-    step, _ = make_step(model, [1] * tokens, [args.context_len] * tokens)
+    """One line per mode of the ``tokens``-token step, then its largest kernel-family changes
+    against the unsplit step."""
+    if args.workload == "decode":
+        step, _ = make_step(model, [1] * tokens, [args.context_len] * tokens)
+    else:
+        if tokens % args.prompt_len:
+            raise SystemExit(f"prefill tokens ({tokens}) must be a multiple of --prompt-len ({args.prompt_len})")
+        step, _ = make_step(model, [args.prompt_len] * (tokens // args.prompt_len))
     base: dict[str, tuple[int, float]] = {}
     for mode in args.modes:
-        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES["decode"]) as replay:
+        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES[args.workload]) as replay:
             trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
             kernels = profile_kernels(replay, device, chrome_trace=trace)
         print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels)}), flush=True)
@@ -90,10 +96,16 @@ def main() -> None:
         "--tokens",
         type=lambda text: [int(t) for t in text.split(",")],
         default=[256],
-        help="decode requests (one token each), comma-separated, profiled in this order in one process "
-        "(as ubatch-bench captures them)",
+        help="tokens per step, comma-separated, profiled in this order in one process (as ubatch-bench captures them)",
     )
-    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument(
+        "--workload",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="decode requests of one token (FULL graphs), or prompts of --prompt-len (PIECEWISE graphs)",
+    )
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--context-len", type=int, default=512, help="cached tokens per decode request")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--capacity-factor", type=float, default=2.0)
     p.add_argument("--modes", type=parse_modes, default=parse_modes("overlap,pipeline2,split2,split2+join"))
