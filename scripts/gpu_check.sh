@@ -89,25 +89,25 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   modes="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --modes overlap,pipeline2,pipeline4,split2,split2+pipeline2"
   decode="$modes,split2+join,split2+join+pipeline2,split2+join+pipeline4 --workload decode --tokens 256,1024"
   run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
-  run1 150 $decode --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -20
+  run1 150 $decode --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
-  run1 150 $decode --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -20
+  run1 150 $decode --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -30
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
       --modes pipeline2,split2,split3 --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
   done
-  run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -9
-  run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -20
-  run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -9
+  run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
+  run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -30
+  run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
   fused="$fused --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"
-  run1 200 $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -16
-  run1 200 $fused --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10_fused.json" | tail -16
-  run1 200 $fused --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_fused.json" | tail -16
+  run1 200 $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -26
+  run1 200 $fused --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10_fused.json" | tail -26
+  run1 200 $fused --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_fused.json" | tail -26
   for preset_link in moe-bench:host:10 deepseek-bench:host:33; do
     timeout 200 python3 scripts/mode_kernels.py --preset "${preset_link%%:*}" --link "${preset_link#*:}" --fuse-glue \
       --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2 --top 8 2>&1 | grep -v -i warn \
