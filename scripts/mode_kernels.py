@@ -22,12 +22,13 @@ import torch
 from ubatch.attention.backends import get_backend
 from ubatch.bench.graphs import GRAPH_MODES
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
-from ubatch.bench.modes import GraphedMode
+from ubatch.bench.modes import GraphedMode, mode_partition
 from ubatch.bench.workload import make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.fusion import fused_glue
 from ubatch.overlap import OverlapMode, parse_modes
+from ubatch.sm import SMPartition
 from ubatch.trace import Interval, busy_ms
 
 
@@ -70,10 +71,13 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
             raise SystemExit(f"prefill tokens ({tokens}) must be a multiple of --prompt-len ({args.prompt_len})")
         step, _ = make_step(model, [args.prompt_len] * (tokens // args.prompt_len))
     base: dict[str, tuple[int, float]] = {}
+    partitions: dict[int, SMPartition] = {}
     for mode in args.modes:
-        with fused_glue(args.fuse_glue), GraphedMode(model, step, mode, GRAPH_MODES[args.workload]) as replay:
-            trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
-            kernels = profile_kernels(replay, device, chrome_trace=trace)
+        partition = mode_partition(mode, None, device, partitions)
+        trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
+        with fused_glue(args.fuse_glue):
+            with GraphedMode(model, step, mode, GRAPH_MODES[args.workload], partition) as replay:
+                kernels = profile_kernels(replay, device, chrome_trace=trace)
         print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels)}), flush=True)
         totals = families(kernels)
         if mode == OverlapMode():

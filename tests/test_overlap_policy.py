@@ -6,7 +6,7 @@ import pytest
 
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
-from ubatch.bench.modes import Timing, auto_point, mode_rows, sweep_modes
+from ubatch.bench.modes import Timing, auto_point, mode_partition, mode_rows, sweep_modes
 from ubatch.bench.plot import plot_kernel_timeline
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
@@ -24,6 +24,8 @@ from ubatch.policy import ModePolicy
         ("split2+pipeline2", OverlapMode(num_ubatches=2, expert_chunks=2)),
         ("split2+join", OverlapMode(num_ubatches=2, join_experts=True)),
         ("split3+join+pipeline2", OverlapMode(num_ubatches=3, expert_chunks=2, join_experts=True)),
+        ("overlap@green16", OverlapMode(single_batch=True, comm_sms=16)),
+        ("split2+join+pipeline2@green8", OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True, comm_sms=8)),
     ],
 )
 def test_modes_parse_and_name_themselves(text, mode):
@@ -32,11 +34,32 @@ def test_modes_parse_and_name_themselves(text, mode):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "split", "pipeline0", "split2+split3", "tokens2", "split-1", "split2+join+join", "join2"]
+    "text",
+    [
+        "",
+        "split",
+        "pipeline0",
+        "split2+split3",
+        "tokens2",
+        "split-1",
+        "split2+join+join",
+        "join2",
+        "split2@green",
+        "split2@blue8",
+        "split2@green16+join",
+        "split2@green0",
+    ],
 )
 def test_bad_mode_names_are_refused(text):
     with pytest.raises(ValueError, match="overlap mode|must be an int"):
         parse_modes(text)
+
+
+def test_an_sm_partition_needs_a_mode_that_runs_as_ubatches():
+    with pytest.raises(ValueError, match=r"comm_sms=8\) needs a mode that runs as ubatches.*overlap@green8"):
+        OverlapMode.parse("unsplit@green8")
+    with pytest.raises(ValueError, match="comm_sms must be an int >= 1 or None, got True"):
+        OverlapMode(num_ubatches=2, comm_sms=True)
 
 
 @pytest.mark.parametrize("text", ["join", "pipeline2+join"])
@@ -92,6 +115,31 @@ def test_eager_sweep_reports_every_mode_against_the_same_runs_baseline_and_ideal
     point = auto_point(sweep, modes, step.num_tokens)
     assert point["choice"] in {r["mode"] for r in rows} and 0 < point["auto_vs_best"] <= 1.0
     assert all(layer.expert_chunks == 1 for layer in model.moe_layers.values()), "modes leave the model as it was"
+    assert all(r["sm_partition"] == "none" and r["comm_sms"] is None for r in rows)
+
+
+def test_a_mode_with_its_own_sm_partition_runs_under_it_and_reports_what_took_effect(monkeypatch):
+    """``@greenK`` makes one green partition per K for the sweep (on CPU it falls back to plain
+    streams and says so); the other ubatched modes run under the sweep's default partition."""
+    import ubatch.bench.modes as modes_module
+
+    made = []
+    real = modes_module.SMPartition
+
+    def recording(*args, **kwargs):
+        made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modes_module, "SMPartition", recording)
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [8, 8, 8, 8], [0, 4, 0, 9])
+    modes = parse_modes("split2,split2@green8,overlap@green8,split2@green16")
+    rows = mode_rows(sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=1), modes)
+    assert [r["mode"] for r in rows] == ["unsplit", "split2", "split2@green8", "overlap@green8", "split2@green16"]
+    assert [a[:2] for a in made] == [("green", 8), ("green", 16)], "one partition per K, shared by its modes"
+    assert all(r["sm_partition"] == "none" and r["comm_sms"] is None for r in rows), "a CPU has no green contexts"
+    assert mode_partition(OverlapMode(), "default", "cpu", {}) is None
+    assert mode_partition(OverlapMode(num_ubatches=2), "default", "cpu", {}) == "default"
 
 
 def test_timing_spread():

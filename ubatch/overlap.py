@@ -16,7 +16,9 @@ own attention and dispatch, so one ubatch's attention hides another's transfer, 
 GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``).
 
 Modes combine: ``OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True)`` splits the
-tokens, joins their expert stages and pipelines it over two expert groups. See
+tokens, joins their expert stages and pipelines it over two expert groups. Any mode that runs as
+ubatches may also partition the SMs: ``comm_sms=K`` (``@greenK`` in its name) gives the comm
+stream a green context of K SMs and the ubatches the rest (``ubatch.sm``). See
 docs/overlap-modes.md.
 """
 
@@ -32,13 +34,15 @@ MAX_EXPERT_CHUNKS = 8
 @dataclass(frozen=True)
 class OverlapMode:
     """One way to run a step: ``num_ubatches`` token slices, ``expert_chunks`` expert groups,
-    whether the slices' expert stages are joined (``join_experts``), and whether an unsplit step
-    still runs as a ubatch (``single_batch``; implied by the others)."""
+    whether the slices' expert stages are joined (``join_experts``), whether an unsplit step
+    still runs as a ubatch (``single_batch``; implied by the others), and the comm stream's
+    green SM partition (``comm_sms``; None: no partition)."""
 
     num_ubatches: int = 1
     expert_chunks: int = 1
     join_experts: bool = False
     single_batch: bool = False
+    comm_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, top in (
@@ -51,15 +55,24 @@ class OverlapMode:
             raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
         if self.num_ubatches > 1 or self.expert_chunks > 1:
             object.__setattr__(self, "single_batch", True)
+        if self.comm_sms is not None:
+            if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 1:
+                raise ValueError(f"comm_sms must be an int >= 1 or None, got {self.comm_sms!r}")
+            if not self.single_batch:
+                raise ValueError(
+                    f"an SM partition (comm_sms={self.comm_sms}) needs a mode that runs as ubatches; "
+                    f"the unsplit step has no comm stream (use overlap@green{self.comm_sms})"
+                )
 
     @property
     def name(self) -> str:
+        partition = "" if self.comm_sms is None else f"@green{self.comm_sms}"
         if self.num_ubatches == 1 and self.expert_chunks == 1:
-            return "overlap" if self.single_batch else "unsplit"
+            return ("overlap" if self.single_batch else "unsplit") + partition
         parts = [f"split{self.num_ubatches}"] if self.num_ubatches > 1 else []
         parts += ["join"] if self.join_experts else []
         parts += [f"pipeline{self.expert_chunks}"] if self.expert_chunks > 1 else []
-        return "+".join(parts)
+        return "+".join(parts) + partition
 
     @property
     def runs_as_ubatches(self) -> bool:
@@ -69,11 +82,20 @@ class OverlapMode:
     @classmethod
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
-        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``)."""
-        if text in ("unsplit", "overlap"):
-            return cls(single_batch=text == "overlap")
-        fields = {"split": "num_ubatches", "pipeline": "expert_chunks"}
+        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); any but ``unsplit`` may end
+        in ``@greenK``, a green SM partition with K SMs for communication."""
         values: dict[str, Any] = {}
+        text, at, partition = text.partition("@")
+        if at:
+            digits = partition.removeprefix("green")
+            if partition == digits or not digits.isdigit():
+                raise ValueError(
+                    f"unknown SM partition {partition!r} in overlap mode {text + at + partition!r}: expected greenK"
+                )
+            values["comm_sms"] = int(digits)
+        if text in ("unsplit", "overlap"):
+            return cls(single_batch=text == "overlap", **values)
+        fields = {"split": "num_ubatches", "pipeline": "expert_chunks"}
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
             digits = part[len(prefix) :]
@@ -83,7 +105,7 @@ class OverlapMode:
             if prefix not in fields or not digits or fields[prefix] in values:
                 raise ValueError(
                     f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK, "
-                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK"
+                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally @greenK"
                 )
             values[fields[prefix]] = int(digits)
         return cls(**values)

@@ -33,6 +33,7 @@ from ubatch.graphed import GraphedModel
 from ubatch.models.layers import group_rank_world
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
+from ubatch.sm import SMPartition
 from ubatch.wrapper import UBatchWrapper
 
 
@@ -66,10 +67,24 @@ def sample_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
     return Timing.of(samples)
 
 
-def eager_call(model: Any, step: Step, mode: OverlapMode) -> Callable[[], Any]:
+def mode_partition(mode: OverlapMode, default: Any, device: Any, made: dict[int, SMPartition]) -> Any:
+    """The SM partition ``mode`` runs under: its own green one (``@greenK``; one per K, made
+    once into ``made``), else ``default``; None for a mode that does not run as ubatches."""
+    if not mode.runs_as_ubatches:
+        return None
+    if mode.comm_sms is None:
+        return default
+    if mode.comm_sms not in made:
+        made[mode.comm_sms] = SMPartition("green", mode.comm_sms, device)
+    return made[mode.comm_sms]
+
+
+def eager_call(model: Any, step: Step, mode: OverlapMode, sm_partition: Any = None) -> Callable[[], Any]:
     """A call that runs ``step`` eagerly in ``mode`` (expert chunks applied for the call)."""
     runnable = (
-        UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device) if mode.runs_as_ubatches else model
+        UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device, sm_partition=sm_partition)
+        if mode.runs_as_ubatches
+        else model
     )
     slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
 
@@ -139,21 +154,29 @@ def sweep_modes(
 ) -> dict[str, Any]:
     """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M;
     under graphs, ``chrome_trace`` keeps torch.profiler's trace of one replay of ``modes[1]``
-    (what overlapped: its kernels and the link's copies, per stream)."""
+    (what overlapped: its kernels and the link's copies, per stream). Ubatched modes run under
+    ``sm_partition`` unless they name their own (``@greenK``)."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
     device = model.device
     timings: dict[str, Timing] = {}
     quick: dict[str, float] = {}
     dropped: dict[str, float | None] = {}
+    partitions: dict[str, dict[str, Any]] = {}
+    made: dict[int, SMPartition] = {}
     for mode in modes:
+        partition = mode_partition(mode, sm_partition, device, made)
+        partitions[mode.name] = {
+            "sm_partition": "none" if partition is None else partition.effective_mode,
+            "comm_sms": None if partition is None or partition.effective_mode == "none" else partition.comm_sms_for(),
+        }
         if graph_mode is None:
-            fn = eager_call(model, step, mode)
+            fn = eager_call(model, step, mode, partition)
             quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
             timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
             dropped[mode.name] = dropped_share(model, fn, step)
             continue
-        with GraphedMode(model, step, mode, graph_mode, sm_partition if mode.runs_as_ubatches else None) as fn:
+        with GraphedMode(model, step, mode, graph_mode, partition) as fn:
             quick[mode.name] = sample_ms(fn, device, warmup=1, repeats=3).median_ms
             timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
             dropped[mode.name] = dropped_share(model, fn, step)
@@ -169,6 +192,7 @@ def sweep_modes(
         "compute_ms": compute_ms,
         "comm_ms": comm_ms,
         "dropped_fraction": dropped,
+        "partitions": partitions,
     }
 
 
@@ -205,6 +229,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "expert_chunks": mode.expert_chunks,
                 "join_experts": mode.join_experts,
                 "single_batch": mode.single_batch,
+                **sweep["partitions"][mode.name],
                 "median_ms": round(t.median_ms, 4),
                 "min_ms": round(t.min_ms, 4),
                 "max_ms": round(t.max_ms, 4),
