@@ -92,7 +92,7 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   run1 150 $decode --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
-  run1 150 $decode --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -30
+  run1 180 $decode,split2@green16,split2+join@green16 --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -36
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
@@ -100,6 +100,9 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   done
   run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
   run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -30
+  # the same with capacity factors measured from its routing instead of 2.0: how much less the dispatch moves
+  run1 180 $decode --preset deepseek-bench --link host:33 --capacity-factor measured \
+    --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
   run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes

@@ -1,4 +1,4 @@
-"""How much of a step a capacity-bounded MoE model drops.
+"""How much of a step a capacity-bounded MoE model drops, and a capacity measured from the run.
 
 With a finite ``capacity_factor`` each expert-parallel rank sends at most a fixed number of rows
 to each peer (what keeps the all-to-all small at 4-8 ranks), and assignments past it are dropped.
@@ -8,14 +8,19 @@ a benchmark that sets a capacity reports both, or its speedup would hide a chang
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ubatch.bench.measure import EagerRuns
+from ubatch.bench.modes import eager_call
 from ubatch.bench.workload import Step
+from ubatch.models.capacity import measure_capacity
+from ubatch.overlap import supported
 
 
 def _dropped_share(counters: list[torch.Tensor], run: Callable[[], Any], assignments: int) -> float:
@@ -51,3 +56,21 @@ def dropped_fractions(
             "unsplit": _dropped_share(counters, runs.baseline, assignments),
             "ubatched": _dropped_share(counters, runs.ubatched, assignments),
         }
+
+
+def set_measured_capacity(
+    model: Any, args: argparse.Namespace, step_at: Callable[[int], Step], margin: float
+) -> dict[str, float]:
+    """Measure the routing fill of one eager run of every supported mode at every ``--tokens``
+    size, and set every MoE layer's capacity factors from it (what the report's
+    ``setup.capacity`` says)."""
+
+    def runs() -> Iterator[Callable[[], Any]]:
+        for tokens in args.tokens:
+            step = step_at(tokens)  # binds its KV cache: run its modes before the next size's
+            for mode in supported(model, args.modes):
+                yield eager_call(model, step, mode)
+
+    measured = measure_capacity(model, runs(), margin=margin, group=dist.group.WORLD if dist.is_initialized() else None)
+    measured.apply(model)
+    return {key: round(value, 4) for key, value in asdict(measured).items()}

@@ -22,7 +22,14 @@ import torch.distributed as dist
 
 from ubatch.bench.generation import DRAFTERS, format_generation_table
 from ubatch.bench.launch import run_on_local_ranks, under_torchrun
-from ubatch.bench.options import add_model_overrides, int_list, model_overrides, non_negative_int, positive_int
+from ubatch.bench.options import (
+    MeasuredCapacityArg,
+    add_model_overrides,
+    int_list,
+    model_overrides,
+    non_negative_int,
+    positive_int,
+)
 from ubatch.bench.report import (
     CPU_NOTE,
     LEGEND,
@@ -62,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         help="model preset (default: tiny-moe / tiny on CPU, moe-bench / dense-bench on CUDA)",
     )
-    add_model_overrides(p)
+    add_model_overrides(p, measured_capacity=True)
     p.add_argument(
         "--workload",
         choices=["prefill", "decode", "mixed", "generate"],
@@ -270,6 +277,8 @@ def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace, generate:
         p.error("--link applies to single steps, not to --workload generate")
     if args.modes and generate:
         p.error("--modes applies to single steps, not to --workload generate")
+    if isinstance(args.capacity_factor, MeasuredCapacityArg) and not args.modes:
+        p.error(f"--capacity-factor {args.capacity_factor} is measured over the modes of a --modes run; give --modes")
     joined = [m.name for m in args.modes or () if m.join_experts]
     if joined and args.graphs and args.workload != "decode":
         p.error(
@@ -355,6 +364,13 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print(format_modes_table(results))
         for point in report.get("auto", {}).get("points", []):
             print(f"- {modes_policy_sentence(point)}")
+        capacity = report.get("setup", {}).get("capacity")
+        if capacity:
+            print(
+                f"- capacity factors {capacity['dispatch']:g} (dispatch) and {capacity['expert']:g} (experts): "
+                f"the fullest bucket held {capacity['dispatch_fill']:g}x its balanced share and the fullest "
+                f"expert {capacity['expert_fill']:g}x, times a margin of {capacity['margin']:g}"
+            )
         return
     if args.quick:
         print(run_summary(report))

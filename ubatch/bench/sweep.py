@@ -18,12 +18,12 @@ from tqdm import tqdm
 from ubatch.attention import get_backend
 from ubatch.attention.backends import AttentionBackend
 from ubatch.bench.auto import auto_policy_report
-from ubatch.bench.capacity import dropped_fractions
+from ubatch.bench.capacity import dropped_fractions, set_measured_capacity
 from ubatch.bench.generation import GenerationShape, capture_sizes_for, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
 from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
 from ubatch.bench.modes import modes_report
-from ubatch.bench.options import model_overrides
+from ubatch.bench.options import MeasuredCapacityArg, model_overrides
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.report import environment, plot_title
 from ubatch.bench.roofline import roofline_fields
@@ -140,6 +140,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         return measured[tokens, n]
 
     if args.modes:
+        if isinstance(args.capacity_factor, MeasuredCapacityArg):
+            setup["capacity"] = set_measured_capacity(model, args, step_at, args.capacity_factor.margin)
         report = modes_report(model, config, args, step_at, sm_partition=partition)
         if args.link:
             setup["link"] = group.describe()  # with the bandwidth its first use calibrated

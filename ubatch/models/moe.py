@@ -155,6 +155,7 @@ class MoEFFN(nn.Module):
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.expert_chunks = 1
         self.join_ubatches = False
+        self.expert_capacity_factor: float | None = None
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
     def capacity(self, num_tokens: int) -> int:
@@ -261,12 +262,15 @@ class MoEFFN(nn.Module):
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
         from ``num_tokens`` tokens per rank, or None where the grouped GEMM runs: without a
         ``capacity_factor`` (no row may be dropped) or above ``PADDED_MAX_ROWS`` rows per expert.
-        ``capacity_factor`` times a balanced expert's rows, rounded up to ``PADDED_ROWS_STEP``;
-        rows past it are dropped and counted like the dispatch's."""
+        ``expert_capacity_factor`` (None: ``capacity_factor``) times a balanced expert's rows,
+        rounded up to ``PADDED_ROWS_STEP``; rows past it are dropped and counted like the
+        dispatch's. (One expert's rows vary more than a dispatch bucket of many experts, so a
+        measured factor for the experts is larger: ``ubatch.models.capacity``.)"""
         if self.capacity_factor is None:
             return None
+        factor = self.capacity_factor if self.expert_capacity_factor is None else self.expert_capacity_factor
         balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
-        wanted = math.ceil(self.capacity_factor * balanced / PADDED_ROWS_STEP) * PADDED_ROWS_STEP
+        wanted = math.ceil(factor * balanced / PADDED_ROWS_STEP) * PADDED_ROWS_STEP
         capacity = min(num_rows, max(PADDED_ROWS_STEP, wanted))
         return capacity if capacity <= PADDED_MAX_ROWS else None
 

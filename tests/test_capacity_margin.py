@@ -1,0 +1,108 @@
+"""Capacity factors measured from routing (ubatch.models.capacity): the fills, that the factors
+they give drop nothing on the runs they came from (and that less would), and the bench flag."""
+
+import json
+
+import pytest
+import torch
+
+from ubatch.bench.cli import main, parse_args
+from ubatch.bench.modes import dropped_share, eager_call
+from ubatch.bench.workload import make_step
+from ubatch.models import ModelConfig, build_model
+from ubatch.models.capacity import RoutingFill, measure_capacity, routing_fill
+from ubatch.models.moe import MoEFFN
+from ubatch.overlap import parse_modes
+
+MODES = parse_modes("overlap,pipeline2,split2,split3,split2+join,split2+join+pipeline2")
+
+
+def test_routing_fill_is_the_fullest_bucket_and_expert_over_their_balanced_shares():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])  # 4 experts over 2 ranks: 0, 1 on rank 0
+    # rank 0's experts take 5 of 8 rows (share 4); expert 0 takes 3 (share 2)
+    assert routing_fill(ids, num_experts=4, world=2, chunks=1).tolist() == [1.25, 1.5]
+    # two expert groups of one expert per rank: the buckets are the experts (share 2)
+    assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == [1.5, 1.5]
+
+
+def test_the_padded_expert_gemm_takes_its_own_factor_where_one_is_set():
+    layer = MoEFFN(ModelConfig.preset("tiny-moe", num_experts=8, capacity_factor=2.0), 0, device=torch.device("cpu"))
+    assert layer.expert_capacity(num_tokens=200, num_rows=800) == 128  # 2.0 * 50 = 100 rows, rounded up to 128
+    layer.expert_capacity_factor = 0.5
+    assert layer.expert_capacity(num_tokens=200, num_rows=800) == 64  # 25 rows, rounded up to 64
+    layer.capacity_factor = None
+    assert layer.expert_capacity(num_tokens=200, num_rows=800) is None, "no row may be dropped at all"
+
+
+def _mode_runs(model, step):
+    return [eager_call(model, step, mode) for mode in MODES]
+
+
+def test_measured_factors_drop_nothing_on_the_runs_they_came_from_and_less_would():
+    model = build_model(ModelConfig.preset("tiny-deepseek", capacity_factor=3.0), device="cpu")
+    step, _ = make_step(model, [1] * 24 + [9, 7], [5] * 24 + [0, 3])
+    measured = measure_capacity(model, _mode_runs(model, step), margin=1.0)
+    assert all(
+        layer.capacity_factor == 3.0 and layer.expert_capacity_factor is None for layer in model.moe_layers.values()
+    ), "measuring leaves the model's factors as they were"
+    assert measured.dispatch >= measured.dispatch_fill > 1 and measured.expert >= measured.expert_fill > 1
+    assert measured.dispatch - measured.dispatch_fill < 0.05 and measured.margin == 1.0
+    measured.apply(model)
+    with torch.inference_mode():
+        assert [dropped_share(model, run, step) for run in _mode_runs(model, step)] == [0.0] * len(MODES)
+        for layer in model.moe_layers.values():
+            layer.capacity_factor = 0.7 * measured.dispatch_fill
+        assert sum(dropped_share(model, run, step) for run in _mode_runs(model, step)) > 0
+
+
+def test_measuring_needs_a_moe_model_a_run_and_a_margin_of_at_least_one():
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        RoutingFill(build_model(ModelConfig.preset("tiny"), device="cpu"))
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    with pytest.raises(RuntimeError, match="recorded no MoE layer call"):
+        measure_capacity(model, [])
+    with pytest.raises(ValueError, match="margin must be a number >= 1, got 0.9"):
+        measure_capacity(model, [], margin=0.9)
+
+
+def test_bench_measures_the_capacity_over_every_mode_before_timing_them(tmp_path, capsys):
+    out = tmp_path / "modes.json"
+    main(
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny-deepseek",
+            "--modes",
+            "pipeline2,split2,split2+join",
+            "--capacity-factor",
+            "measured:1.1",
+            "--tokens",
+            "32,64",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    capacity = report["setup"]["capacity"]
+    assert capacity["margin"] == 1.1 and capacity["dispatch"] >= 1.1 * capacity["dispatch_fill"] - 1e-9
+    assert [r["dropped_fraction"] for r in report["results"]] == [0.0] * 8
+    assert "capacity factors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--capacity-factor", "measured"], "is measured over the modes of a --modes run"),
+        (["--capacity-factor", "measured:0.5", "--modes", "split2"], "MARGIN >= 1"),
+        (["--capacity-factor", "lots", "--modes", "split2"], "a positive number"),
+    ],
+)
+def test_bench_refuses_a_measured_capacity_it_cannot_measure(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""MoE capacity factors measured from routing: how full the router filled the fullest bucket
+and the fullest expert on the runs it saw, times a margin.
+
+Why: a capacity factor bounds the rows each rank sends each peer (and, under a padded expert
+GEMM, the rows per expert), so it sets the all-to-all's payload: at 2.0 every dispatch moves
+twice the rows a balanced router would send. A factor from measurement moves little more than
+the real rows, and the runs that measured it show how much margin is left (``dropped_fraction``
+in the bench: 0 where it held).
+
+A call's fill is two ratios, each a count over its balanced share, and each sets its own factor:
+
+- per (expert group, destination rank) bucket: the rows this rank would send there, over
+  ``tokens * top_k / (world * expert_chunks)`` (what ``MoEFFN.capacity`` bounds);
+- per expert: this rank's rows for it, over ``tokens * top_k / num_experts``. A receiver's rows
+  for an expert are the sum over senders, so if every sender stays within ratio r of its share,
+  the receiver stays within r of its own (what ``MoEFFN.expert_capacity`` bounds).
+
+Both are local to a rank: no collective runs while measuring, inside ubatches or not; the result
+is the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_MARGIN = 1.15
+"""The measured fill is multiplied by this before rounding up: a step of other tokens routes
+differently, and a split's ubatches (fewer tokens each) fill their buckets more unevenly."""
+
+ROUNDING = 0.05  # capacity factors are rounded up to a multiple of this
+
+
+def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -> torch.Tensor:
+    """(fullest bucket's fill, fullest expert's fill), each rows over its balanced share, as a
+    float64 tensor of 2 on ``ids``' device (no host sync; float64 so that a factor rounded up
+    from it never falls below it), for expert ids ``[tokens, top_k]`` routed on one rank."""
+    tokens, top_k = ids.shape
+    n_local = num_experts // world
+    flat = ids.flatten()
+    bucket = (flat % n_local) // (n_local // chunks) * world + flat // n_local
+    per_bucket = torch.bincount(bucket, minlength=chunks * world)
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    return torch.stack(
+        [
+            per_bucket.max().double() / (tokens * top_k / (world * chunks)),
+            per_expert.max().double() / (tokens * top_k / num_experts),
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class MeasuredCapacity:
+    """Capacity factors from measured fills: ``dispatch`` for the rows each rank sends each
+    destination (``MoEFFN.capacity_factor``), ``expert`` for the rows of one expert in the padded
+    expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a bucket of
+    many experts), each its fill times the margin, rounded up."""
+
+    dispatch: float
+    expert: float
+    dispatch_fill: float
+    expert_fill: float
+    margin: float
+
+    def apply(self, model: Any) -> None:
+        """Set every MoE layer of ``model`` to these factors."""
+        for layer in model.moe_layers.values():
+            layer.capacity_factor = self.dispatch
+            layer.expert_capacity_factor = self.expert
+
+
+class RoutingFill:
+    """While open, records the routing fill of every call of every MoE layer of ``model`` (a
+    forward pre-hook per layer that routes the layer's input again; measurement only)."""
+
+    def __init__(self, model: Any) -> None:
+        self.layers = list(getattr(model, "moe_layers", {}).values())
+        if not self.layers:
+            raise ValueError("RoutingFill needs a MoE model (one with moe_layers); this one has none")
+        self._fills: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> RoutingFill:
+        for layer in self.layers:
+            self._hooks.append(layer.register_forward_pre_hook(self._record))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _record(self, layer: Any, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        if x.shape[0] == 0:
+            return
+        _, ids = layer.route(x)
+        num_experts = layer.num_local_experts * layer.ep_world
+        self._fills.append(routing_fill(ids, num_experts, layer.ep_world, layer.expert_chunks))
+
+    def fills(self, group: Any = None) -> tuple[float, float]:
+        """(bucket fill, expert fill): the largest recorded, over every rank of ``group`` when
+        distributed (every rank calls this alike); RuntimeError if no MoE layer ran."""
+        if not self._fills:
+            raise RuntimeError("RoutingFill recorded no MoE layer call: run the model inside the with block")
+        fill = torch.stack(self._fills).amax(dim=0).to(torch.float64)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(fill, op=dist.ReduceOp.MAX, group=group)
+        return float(fill[0]), float(fill[1])
+
+
+def _rounded_up(value: float) -> float:
+    return round(math.ceil(round(value / ROUNDING, 6)) * ROUNDING, 6)
+
+
+def measure_capacity(
+    model: Any, runs: Iterable[Callable[[], Any]], *, margin: float = DEFAULT_MARGIN, group: Any = None
+) -> MeasuredCapacity:
+    """Each run called once with every MoE layer at worst-case capacity (nothing dropped while
+    measuring; the layers' factors are restored after), and the factors its fills ask for."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
+        raise ValueError(f"margin must be a number >= 1, got {margin!r}")
+    recorder = RoutingFill(model)
+    saved = [(layer.capacity_factor, layer.expert_capacity_factor) for layer in recorder.layers]
+    try:
+        for layer in recorder.layers:
+            layer.capacity_factor = layer.expert_capacity_factor = None
+        with recorder, torch.inference_mode():
+            for run in runs:
+                run()
+    finally:
+        for layer, (dispatch, expert) in zip(recorder.layers, saved):
+            layer.capacity_factor, layer.expert_capacity_factor = dispatch, expert
+    dispatch_fill, expert_fill = recorder.fills(group)
+    return MeasuredCapacity(
+        dispatch=_rounded_up(dispatch_fill * margin),
+        expert=_rounded_up(expert_fill * margin),
+        dispatch_fill=dispatch_fill,
+        expert_fill=expert_fill,
+        margin=margin,
+    )
