@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
-from ubatch.context import set_forward_context
+from ubatch.context import capture_scope, set_forward_context
+from ubatch.link import HostLink
 from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, moe
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
@@ -225,6 +226,35 @@ def test_moe_small_capacity_counts_overflow():
     # One rank, capacity ceil(0.25 * 64) = 16 of the 64 assignments.
     assert layer.capacity(32) == 16
     assert int(layer.overflow_count) == 64 - 16
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(chunks):
+    """Without a capacity factor an eager step exchanges its counts and sends its real rows; with
+    a capacity no row can exceed, the static path sends every bucket at worst-case size. Over the
+    CPU link stand-in (world 2) the bytes moved say which rows travelled."""
+    config = ModelConfig.preset("tiny-moe")
+    counted_link, static_link = HostLink(2, 1e6, device="cpu"), HostLink(2, 1e6, device="cpu")
+    counted = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=counted_link)
+    static = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=static_link)
+    static.capacity_factor = 1e6
+    for layer in (counted, static):
+        layer.expert_chunks = chunks
+    x = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(counted(x), static(x), atol=1e-6, rtol=1e-6)
+    _, ids = counted.route(x)
+    remote = int((ids // counted.num_local_experts != 0).sum())  # rows for the other rank's experts
+    row = 4 * (config.hidden_size + 4)  # a float32 row with its expert id columns
+    counts = 8 * chunks  # the other rank's int64 count per expert group
+    assert counted_link.bytes_moved == counts + remote * row + remote * 4 * config.hidden_size
+    worst = 37 * config.top_k  # the static path's rows to the other rank, per expert group
+    assert static_link.bytes_moved == chunks * worst * (row + 4 * config.hidden_size)
+    assert int(counted.overflow_count) == 0
+    with capture_scope(skip_attention=False), torch.no_grad():  # a graph's warm-up runs what its capture runs
+        before = counted_link.bytes_moved
+        counted(x)
+    assert counted_link.bytes_moved - before == chunks * worst * (row + 4 * config.hidden_size)
 
 
 # ----- tensor / expert parallelism over gloo ---------------------------------------------------

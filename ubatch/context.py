@@ -105,6 +105,13 @@ def capture_scope(*, skip_attention: bool) -> Iterator[None]:
         _forced_skip_attention.reset(token)
 
 
+def in_capture_scope() -> bool:
+    """Whether a CUDA-graph manager's warm-up or capture of a descriptor is running (inside
+    ``capture_scope``): code whose eager path differs from its captured one (a host sync, other
+    buffer shapes) takes the captured one in both, so the warm-up prepares what the capture runs."""
+    return _forced_skip_attention.get() is not None
+
+
 def get_forward_context() -> ForwardContext:
     """The context of the forward pass in progress; ``RuntimeError`` outside one."""
     ctx = _current.get()

@@ -1,13 +1,15 @@
 """The MoE reference model: shared attention blocks, and a routed-expert FFN with expert
 parallelism over an optional process group.
 
-Dispatch and combine are shape-static: every buffer's shape depends only on the number of
-tokens, so there is no host sync and the path is graph-capturable. Each rank sends a fixed
-``capacity`` rows to every destination rank (worst case ``tokens * top_k`` unless a finite
-``capacity_factor`` is set), the local expert id of each row travels as an extra column of the
-rows, and the combine returns rows to the slots they were sent from, so the sender gathers them
-back without any extra routing message. Expert-parallel ranks must run the same
-number of tokens per step (the data-parallel coordinator pads them to the maximum).
+With a ``capacity_factor``, and in any CUDA-graph capture, dispatch and combine are shape-static:
+every buffer's shape depends only on the number of tokens, so there is no host sync and the path
+is graph-capturable. Each rank sends a fixed ``capacity`` rows to every destination rank, the
+local expert id of each row travels as an extra column of the rows, and the combine returns rows
+to the slots they were sent from, so the sender gathers them back without any extra routing
+message. Without a capacity factor an eager step exchanges its row counts first (one small
+all-to-all and a host sync) and sends only its real rows, where the static path would send the
+worst case, ``tokens * top_k`` rows to every destination. Expert-parallel ranks must run the
+same number of tokens per step (the data-parallel coordinator pads them to the maximum).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ubatch import comm, islands, scheduler
+from ubatch.context import in_capture_scope
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.fusion import fused
@@ -36,14 +39,17 @@ capacity reads the weights at ~3.8-4.0 TB/s on an H200, where the grouped GEMM r
 padding rows ride along for free. Capacities are rounded up to ``PADDED_ROWS_STEP``."""
 
 
-def _start_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any) -> comm.CollectiveHandle | None:
-    """``comm.all_to_all_single`` over ``group``, started without waiting (None: done already).
-    No group means one rank even inside a multi-rank job, where ``comm`` would read None as the
-    whole world."""
+def _start_all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group: Any, splits: tuple[list[int], list[int]] | None = None
+) -> comm.CollectiveHandle | None:
+    """``comm.all_to_all_single`` over ``group``, started without waiting (None: done already),
+    with ``splits`` (rows received from, rows sent to each rank) or equal ones. No group means one
+    rank even inside a multi-rank job, where ``comm`` would read None as the whole world."""
     if group is None and dist.is_initialized() and dist.get_world_size() > 1:
         output.copy_(input)
         return None
-    return comm.all_to_all_single(output, input, group=group, async_op=True)
+    received, sent = splits if splits is not None else (None, None)
+    return comm.all_to_all_single(output, input, received, sent, group=group, async_op=True)
 
 
 def _wait(handle: comm.CollectiveHandle | None) -> None:
@@ -54,13 +60,16 @@ def _wait(handle: comm.CollectiveHandle | None) -> None:
 @dataclass
 class _Dispatched:
     """One ubatch's rows in flight to the experts: receive and combine buffers, each expert
-    group's rows in them, and the group's dispatch."""
+    group's rows in them (``recv_groups``, ``back_groups``), the group's dispatch, and, where the
+    counts were exchanged, each group's (rows received per rank, rows sent per rank)."""
 
     num_tokens: int
     recv: torch.Tensor
     back: torch.Tensor
-    groups: list[slice]
+    recv_groups: list[slice]
+    back_groups: list[slice]
     dispatches: list[comm.CollectiveHandle | None]
+    splits: list[tuple[list[int], list[int]]] | None = None
     # The combines' inputs, held by the ubatch that waits for them: freed before that wait, a
     # block could go to new work on its stream while the comm stream still reads it.
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
@@ -192,24 +201,13 @@ class MoEFFN(nn.Module):
         dispatch (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert
         stage waits for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
-        num_tokens, hidden = x.shape
-        k, world, n_local = self.expert_chunks, self.ep_world, self.num_local_experts
-        cap = self.capacity(num_tokens)
-        group_rows = world * cap
-        trash = k * group_rows
-
-        slot, dropped, send = dispatch_plan(x, ids, n_local, k, world, cap)
-        if cap < num_tokens * self.top_k:
-            self.overflow_count += dropped
-        recv = torch.empty_like(send[:trash])
-        groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
-        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
+        if self.capacity_factor is None and not _capturing():
+            slot, dispatched = self._dispatch_counted(x, ids)
+        else:
+            slot, dispatched = self._dispatch_static(x, ids)
 
         shared = self.shared(x) if self.shared is not None else None
 
-        back = x.new_empty(trash + 1, hidden)
-        back[trash].zero_()
-        dispatched = _Dispatched(num_tokens, recv, back, groups, dispatches)
         if self.join_ubatches:
             if islands.recording_active():
                 raise RuntimeError(
@@ -222,7 +220,49 @@ class MoEFFN(nn.Module):
         for handle in combines:
             _wait(handle)
 
-        return combine_rows(back, slot, weights, shared)
+        return combine_rows(dispatched.back, slot, weights, shared)
+
+    def _dispatch_static(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
+        """Each (group, destination) bucket sent at its full capacity (graph-capturable)."""
+        num_tokens, hidden = x.shape
+        k, world = self.expert_chunks, self.ep_world
+        cap = self.capacity(num_tokens)
+        group_rows = world * cap
+        trash = k * group_rows
+        slot, dropped, send = dispatch_plan(x, ids, self.num_local_experts, k, world, cap)
+        if cap < num_tokens * self.top_k:
+            self.overflow_count += dropped
+        recv = torch.empty_like(send[:trash])
+        groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
+        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
+        back = x.new_empty(trash + 1, hidden)
+        back[trash].zero_()
+        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches)
+
+    def _dispatch_counted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
+        """Only the real rows: every rank's count per (group, destination) exchanged first (a
+        host sync), then each group's all-to-all with those splits. Nothing is dropped."""
+        num_tokens, hidden = x.shape
+        k, world = self.expert_chunks, self.ep_world
+        slot, counts, send = counted_dispatch_plan(x, ids, self.num_local_experts, k, world)
+        sent = counts.view(k, world)
+        received = sent
+        if world > 1:
+            received = torch.empty_like(sent.t().contiguous())
+            comm.all_to_all_single(received, sent.t().contiguous(), group=self.ep_group)
+            received = received.t()
+        sent_rows, received_rows = sent.tolist(), received.tolist()  # the splits, on the host
+        splits = list(zip(received_rows, sent_rows))
+        send_at, recv_at = _offsets(sent_rows), _offsets(received_rows)
+        back_groups = [slice(send_at[g], send_at[g + 1]) for g in range(k)]
+        recv_groups = [slice(recv_at[g], recv_at[g + 1]) for g in range(k)]
+        recv = send.new_empty(recv_at[-1], send.shape[1])
+        dispatches = [
+            _start_all_to_all(recv[r], send[b], self.ep_group, split)
+            for r, b, split in zip(recv_groups, back_groups, splits)
+        ]
+        back = x.new_empty(send.shape[0], hidden)
+        return slot, _Dispatched(num_tokens, recv, back, recv_groups, back_groups, dispatches, splits)
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
@@ -234,13 +274,15 @@ class MoEFFN(nn.Module):
         for g in range(self.expert_chunks):
             for part in parts:
                 _wait(part.dispatches[g])
-            rows = [part.recv[part.groups[g]] for part in parts]
+            rows = [part.recv[part.recv_groups[g]] for part in parts]
             joined = rows[0] if len(rows) == 1 else torch.cat(rows)
             expert_out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
             outputs = expert_out.split([len(r) for r in rows])
             for part, out, handles in zip(parts, outputs, combines):
                 part.combine_inputs.append(out)
-                handles.append(_start_all_to_all(part.back[part.groups[g]], out, self.ep_group))
+                # the combine's splits are the dispatch's, reversed
+                splits = None if part.splits is None else part.splits[g][::-1]
+                handles.append(_start_all_to_all(part.back[part.back_groups[g]], out, self.ep_group, splits))
         return combines
 
     def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int, num_tokens: int) -> torch.Tensor:
@@ -351,6 +393,44 @@ def dispatch_plan(
     expert_col = local[:, None].to(x.dtype).expand(-1, extra)
     rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
     return slot, (~kept).sum(), send.index_copy_(0, slot, rows)
+
+
+def counted_dispatch_plan(
+    x: torch.Tensor, ids: torch.Tensor, n_local: int, chunks: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slot of each assignment, rows per (group, destination) bucket [chunks * world], the send
+    buffer [tokens * top_k, hidden + extra]) with the buckets packed one after another in
+    group-major, destination order and no padding: ``dispatch_plan``'s layout without capacity."""
+    local = (ids % n_local).flatten()
+    bucket = local // (n_local // chunks) * world + (ids // n_local).flatten()
+    buckets = torch.arange(chunks * world, device=x.device)[:, None]
+    member = bucket == buckets
+    counts = member.sum(1)
+    pos = member.cumsum(1).gather(0, bucket[None])[0] - 1
+    slot = (counts.cumsum(0) - counts)[bucket] + pos
+    extra = 16 // x.element_size()
+    expert_col = local[:, None].to(x.dtype).expand(-1, extra)
+    rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
+    return slot, counts, torch.empty_like(rows).index_copy_(0, slot, rows)
+
+
+def _offsets(rows: list[list[int]]) -> list[int]:
+    """Where each group's rows start (and, last, where they end) in a packed buffer, from the
+    rows per (group, rank)."""
+    starts = [0]
+    for group in rows:
+        starts.append(starts[-1] + sum(group))
+    return starts
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph (FULL or PIECEWISE) is being recorded, or warmed up for, where no host
+    sync may run and buffers must keep their shapes."""
+    return (
+        in_capture_scope()
+        or islands.recording_active()
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
 
 
 @fused
