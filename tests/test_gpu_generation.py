@@ -50,3 +50,33 @@ def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatche
     replayed.clear()
     assert runner.generate(prompts, 3) == [naive_greedy(model, p, 3) for p in prompts]
     assert not replayed, "a closed runner runs eagerly"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["overlap", "pipeline2", "split2+join"])
+def test_cuda_graph_runner_in_an_overlap_mode_equals_naive_recompute(mode):
+    """FULL decode graphs captured in the mode replay (joined experts run eagerly where a
+    PIECEWISE capture refuses them)."""
+    config = ModelConfig.preset("small-moe", dtype=torch.float32)
+    model = build_model(config, device="cuda")
+    prompts = prompts_for(config, (5, 70, 33, 128))
+    runner = ModelRunner(
+        model,
+        config,
+        device="cuda",
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_batched_tokens=64,
+        cudagraph_capture_sizes=[4, 8, 16, 32, 64],
+        max_model_len=256,
+        overlap_mode=mode,
+    )
+    runner.capture_graphs()
+    replayed = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    try:
+        assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
+        assert any(d.cg_mode == CUDAGraphMode.FULL for d in replayed), replayed
+    finally:
+        runner.close()

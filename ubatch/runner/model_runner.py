@@ -37,6 +37,7 @@ from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
+from ubatch.overlap import OverlapMode, apply_mode
 from ubatch.policy import SplitPolicy
 from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_batch_inputs
 from ubatch.runner.checks import (
@@ -47,6 +48,7 @@ from ubatch.runner.checks import (
     is_local,
     per_prompt_limits,
 )
+from ubatch.runner.modes import check_same_mode_across_dp, mode_partition, resolve_mode
 from ubatch.runner.scheduling import RequestScheduler
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
@@ -67,7 +69,11 @@ class ModelRunner:
     ``max_model_len`` (default: the whole cache) bounds every request's prompt plus
     ``max_new_tokens``. ``draft_model`` with ``num_speculative_tokens`` turns on speculative
     decoding (with graphs the drafter captures its own; with ``dp_group`` it must run locally);
-    ``spec_stats`` counts proposed and accepted drafts.
+    ``spec_stats`` counts proposed and accepted drafts. ``overlap_mode`` (an
+    ``ubatch.overlap.OverlapMode`` or its name, e.g. ``"pipeline2"``, ``"split2+join"``,
+    ``"split2@green16"``) serves every step in that mode instead of a plain ``num_ubatches`` split:
+    it sets the MoE layers' expert groups and joining, runs unsplit steps as one ubatch, and
+    gives the comm stream its SM partition; every DP rank must pass the same one.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class ModelRunner:
         draft_model: Decoder | None = None,
         num_speculative_tokens: int | None = None,
         split_policy: SplitPolicy | None = None,
+        overlap_mode: OverlapMode | str | None = None,
     ) -> None:
         for name, value in (
             ("num_kv_blocks", num_kv_blocks),
@@ -99,6 +106,8 @@ class ModelRunner:
             check_count(name, value)
         if max_model_len is not None:
             check_count("max_model_len", max_model_len)
+        self.overlap_mode = resolve_mode(overlap_mode, num_ubatches)
+        num_ubatches = self.overlap_mode.num_ubatches
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
@@ -118,12 +127,25 @@ class ModelRunner:
         )
         self.num_ubatches = num_ubatches
         self.split_policy = split_policy
+        self._init_dp(dp_group, timeout_s)
+        if dp_group is not None:
+            check_same_mode_across_dp(self.overlap_mode, dp_group)
+        apply_mode(model, self.overlap_mode)
+        # single-batch overlap and expert pipelining run every step as one ubatch; a split whose
+        # step is not split (too small, or a DP rank declined) runs it plain
+        self._single_batch = self.overlap_mode.runs_as_ubatches and num_ubatches == 1
+        self._sm_partition = mode_partition(self.overlap_mode, self.device)
         self.runnable = (
-            UBatchWrapper(model, num_ubatches=num_ubatches, device=self.device, timeout_s=timeout_s)
-            if num_ubatches > 1
+            UBatchWrapper(
+                model,
+                num_ubatches=num_ubatches,
+                device=self.device,
+                timeout_s=timeout_s,
+                sm_partition=self._sm_partition,
+            )
+            if self.overlap_mode.runs_as_ubatches
             else model
         )
-        self._init_dp(dp_group, timeout_s)
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
         self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
@@ -197,6 +219,8 @@ class ModelRunner:
             max_blocks_per_req=self._max_blocks_per_req,
             ubatch_counts=sorted({1, self.num_ubatches}),
             uniform_token_count=per_request,
+            sm_partition=self._sm_partition,
+            single_batch_overlap=self._single_batch,
         )
 
     def capture_graphs(self) -> None:
@@ -336,7 +360,7 @@ class ModelRunner:
                 graph, batch.input_ids, batch.positions, batch.attn_metadata[self.model.layer_names[0]]
             )
         else:
-            slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 else None
+            slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 or self._single_batch else None
             hidden = self.execute_model(
                 batch.input_ids,
                 batch.positions,
