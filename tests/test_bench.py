@@ -480,11 +480,14 @@ from ubatch.bench.measure import keep_freed_cpu_memory
 if sys.argv[1] == "keep":
     keep_freed_cpu_memory()
 faults = []
-for _ in range(6):
+for _ in range(9):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(16 << 20)  # 64 MB, touched, freed at once
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(max(faults[3:]))  # the heap settles first: in 30 runs, two of the first three faulted, never later
+# The heap settles in the first three calls (in 30 runs two of them faulted). After that, the
+# median of six: with the heap kept, a later call can still refault (a CI run under load saw all
+# 64 MB refaulted in one of calls 4-6), where glibc's default refaults in every call.
+print(sorted(faults[3:])[3])
 """
 
 
