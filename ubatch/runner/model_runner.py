@@ -129,7 +129,7 @@ class ModelRunner:
         self.split_policy = split_policy
         self._init_dp(dp_group, timeout_s)
         if dp_group is not None:
-            check_same_mode_across_dp(self.overlap_mode, dp_group)
+            check_same_mode_across_dp(self.overlap_mode, self._dp_group)  # the gloo vote group
         apply_mode(model, self.overlap_mode)
         # single-batch overlap and expert pipelining run every step as one ubatch; a split whose
         # step is not split (too small, or a DP rank declined) runs it plain
