@@ -21,13 +21,8 @@ def test_cuda_float32_greedy_equals_naive_recompute(preset):
     assert outputs == [naive_greedy(model, p, 12) for p in prompts]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_ubatches", [1, 2])
-@pytest.mark.parametrize("preset", ["small", "small-moe"])
-def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatches):
-    config = ModelConfig.preset(preset, dtype=torch.float32)
-    model = build_model(config, device="cuda")
-    prompts = prompts_for(config, (5, 70, 33, 128))
+def _graph_runner(model, config, **kwargs) -> ModelRunner:
+    """A runner with graphs captured at 4-64 tokens."""
     runner = ModelRunner(
         model,
         config,
@@ -35,11 +30,22 @@ def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatche
         num_kv_blocks=256,
         block_size=16,
         max_num_batched_tokens=64,
-        num_ubatches=num_ubatches,
         cudagraph_capture_sizes=[4, 8, 16, 32, 64],
         max_model_len=256,
+        **kwargs,
     )
     runner.capture_graphs()
+    return runner
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+@pytest.mark.parametrize("preset", ["small", "small-moe"])
+def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatches):
+    config = ModelConfig.preset(preset, dtype=torch.float32)
+    model = build_model(config, device="cuda")
+    prompts = prompts_for(config, (5, 70, 33, 128))
+    runner = _graph_runner(model, config, num_ubatches=num_ubatches)
     replayed = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
@@ -60,18 +66,7 @@ def test_cuda_graph_runner_in_an_overlap_mode_equals_naive_recompute(mode):
     config = ModelConfig.preset("small-moe", dtype=torch.float32)
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
-    runner = ModelRunner(
-        model,
-        config,
-        device="cuda",
-        num_kv_blocks=256,
-        block_size=16,
-        max_num_batched_tokens=64,
-        cudagraph_capture_sizes=[4, 8, 16, 32, 64],
-        max_model_len=256,
-        overlap_mode=mode,
-    )
-    runner.capture_graphs()
+    runner = _graph_runner(model, config, overlap_mode=mode)
     replayed = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
