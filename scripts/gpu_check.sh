@@ -79,7 +79,9 @@ if want comm_waits; then  # profiled graph replays of both ranks: NCCL time as t
   done
   tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles"
 fi
-want expert_gemm && timeout 120 python3 scripts/bench_expert_gemm.py | tee "$OUT/expert_gemm.log"
+# 8 experts per call (unsplit, 8 local), 4 (a world of 2), 2 (its expert groups when pipelined), to 256 rows
+want expert_gemm && timeout 200 python3 scripts/bench_expert_gemm.py --experts 8,4,2 --rows 16,32,64,128,192,256 \
+  | tee "$OUT/expert_gemm.log"
 if want link; then  # the link stand-in alone: its GPU tests, then what it reaches by payload size
   timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_link.py 2>&1 | tee "$OUT/gpu_link_tests.log" | tail -3
   timeout 120 python3 scripts/link_bandwidth.py --out "$OUT/link_bandwidth.json" 2>&1 | tee "$OUT/link_bandwidth.log" | tail -20
