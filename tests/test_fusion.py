@@ -17,7 +17,7 @@ from ubatch.bench.workload import make_step
 from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
-from ubatch.models.moe import combine_rows, dispatch_plan, pad_expert_rows, route_top_k
+from ubatch.models.moe import combine_rows, dispatch_plan, pad_expert_rows, route_top_k, sort_by_expert
 
 
 def _inputs(tokens: int, seed: int):
@@ -35,6 +35,7 @@ def _inputs(tokens: int, seed: int):
         dispatch_plan: (x, ids, 4, 2, 2, max(1, tokens // 2)),
         combine_rows: (back, slot, weights, torch.randn(tokens, 32, generator=g)),
         pad_expert_rows: (torch.randn(3 * tokens, 32, generator=g), expert, 4, tokens),
+        sort_by_expert: (torch.randn(3 * tokens, 32, generator=g), expert, 4),
     }
 
 
@@ -55,7 +56,7 @@ def _defined(fn, result):
 
 @pytest.mark.parametrize(
     "name",
-    ["rms_norm", "add_rms_norm", "rotate_neox", "dispatch_plan", "combine_rows", "pad_expert_rows"],
+    ["rms_norm", "add_rms_norm", "rotate_neox", "dispatch_plan", "combine_rows", "pad_expert_rows", "sort_by_expert"],
 )
 @pytest.mark.parametrize("in_ubatch_mode", [False, True])
 def test_each_fused_function_traces_whole_with_dynamic_shapes(name, in_ubatch_mode):

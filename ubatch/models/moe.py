@@ -332,13 +332,8 @@ class MoEFFN(nn.Module):
 
     @staticmethod
     def _experts_grouped(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        n = w13.shape[0]
-        key = torch.where(expert < 0, n, expert)
-        order = torch.argsort(key, stable=True)
-        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, key, torch.ones_like(key))
-        offsets = counts[:n].cumsum(0).to(torch.int32)
-        gate_up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=offsets)
+        rows, order, offsets = sort_by_expert(x, expert, w13.shape[0])
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
         # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
         hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
         sorted_out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
@@ -393,6 +388,18 @@ def dispatch_plan(
     expert_col = local[:, None].to(x.dtype).expand(-1, extra)
     rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
     return slot, (~kept).sum(), send.index_copy_(0, slot, rows)
+
+
+@fused
+def sort_by_expert(
+    x: torch.Tensor, expert: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows sorted by expert, padding rows (expert -1) last, the order that sorts them, each
+    expert's end offset among them as int32): what the grouped GEMM takes."""
+    key = torch.where(expert < 0, num_experts, expert)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    return x[order], order, counts[:num_experts].cumsum(0).to(torch.int32)
 
 
 def counted_dispatch_plan(
