@@ -118,9 +118,13 @@ if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-gl
       --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2 --top 8 2>&1 | grep -v -i warn \
       | tee "$OUT/mode_kernels_${preset_link%%:*}_decode256_link_fused.log"
   done
-  # fused pipelining at 1024 tokens loses in the sweep, which captured 256 tokens first: the same order here
+  # fused pipelining at 1024 tokens loses in the sweep, which captured 256 tokens first: the same order
+  # here, then the sweep's pipelining with the glue compiled per shape (suspect: kernels tuned for 256)
   timeout 200 python3 scripts/mode_kernels.py --preset deepseek-bench --link host:33 --fuse-glue --tokens 256,1024 \
     --modes pipeline2 --top 12 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek-bench_decode256_1024_link_fused.log"
+  run1 240 -m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue static --workload decode \
+    --tokens 256,1024 --modes pipeline2,split2 --preset deepseek-bench --link host:33 \
+    --out "$OUT/modes_deepseek_decode_link33_fused_static.json" | tail -12
 fi
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, the rest right after
 want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa

@@ -75,7 +75,7 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
     for mode in args.modes:
         partition = mode_partition(mode, None, device, partitions)
         trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
-        with fused_glue(args.fuse_glue):
+        with fused_glue(args.fuse_glue is not None, dynamic=args.fuse_glue != "static"):
             with GraphedMode(model, step, mode, GRAPH_MODES[args.workload], partition) as replay:
                 kernels = profile_kernels(replay, device, chrome_trace=trace)
         print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels)}), flush=True)
@@ -116,7 +116,13 @@ def main() -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto", help="as ubatch-bench's")
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
     p.add_argument("--top", type=int, default=10)
-    p.add_argument("--fuse-glue", action="store_true", help="compile the models' glue (ubatch.models.fusion)")
+    p.add_argument(
+        "--fuse-glue",
+        nargs="?",
+        const="dynamic",
+        choices=["dynamic", "static"],
+        help="compile the models' glue (ubatch.models.fusion); static: once per shape",
+    )
     p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE_TOKENS.json)")
     args = p.parse_args()
     if args.trace_dir:

@@ -43,7 +43,7 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
         "num_layers": 2,
         "num_experts": 4,
         "launched": "here",
-        "fuse_glue": False,
+        "fuse_glue": None,
     }
     assert report["results"]
     for r in report["results"]:

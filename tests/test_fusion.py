@@ -59,12 +59,14 @@ def _defined(fn, result):
     ["rms_norm", "add_rms_norm", "rotate_neox", "dispatch_plan", "combine_rows", "pad_expert_rows", "sort_by_expert"],
 )
 @pytest.mark.parametrize("in_ubatch_mode", [False, True])
-def test_each_fused_function_traces_whole_with_dynamic_shapes(name, in_ubatch_mode):
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_each_fused_function_traces_whole_with_dynamic_shapes(name, in_ubatch_mode, dynamic):
     """Also under the collective interceptor, the function mode every ubatch runs in (a Python
-    Tensor method such as ``unflatten`` breaks the trace there)."""
+    Tensor method such as ``unflatten`` breaks the trace there), and compiled per shape
+    (``fused_glue(dynamic=False)``)."""
     torch._dynamo.reset()
     fn = next(f for f in _inputs(4, 0) if f.__name__ == name)
-    traced = torch.compile(fn.eager, backend="eager", fullgraph=True, dynamic=True)
+    traced = torch.compile(fn.eager, backend="eager", fullgraph=True, dynamic=dynamic)
     for tokens in (6, 11):
         args = _inputs(tokens, tokens)[fn]
         with CollectiveInterceptor() if in_ubatch_mode else contextlib.nullcontext():
@@ -83,6 +85,31 @@ def test_nothing_compiles_on_cpu_or_outside_fused_glue(monkeypatch):
         torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
     if torch.cuda.is_available():
         rms_norm(x.cuda(), weight.cuda(), 1e-6)
+
+
+def test_fused_glue_compiles_once_with_dynamic_shapes_or_once_for_per_shape_use(monkeypatch):
+    """One torch.compile per setting a process uses: dynamic=True, or dynamic=False (which dynamo
+    then specialises per shape); never one per call."""
+    made = []
+
+    def fake_compile(fn, *, dynamic, fullgraph):
+        made.append((dynamic, fullgraph))
+        return lambda *args: ("compiled", dynamic)
+
+    class OnCuda:
+        is_cuda = True
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(fusion, "_triton_available", lambda: True)
+    glue = fusion.fused(lambda x: "plain")
+    assert glue(OnCuda()) == "plain", "outside fused_glue() nothing compiles"
+    with fusion.fused_glue():
+        assert glue(OnCuda()) == glue(OnCuda()) == ("compiled", True)
+    with fusion.fused_glue(dynamic=False):
+        assert glue(OnCuda()) == ("compiled", False)
+    with fusion.fused_glue(False):
+        assert glue(OnCuda()) == "plain"
+    assert made == [(True, True), (False, True)]
 
 
 @pytest.mark.cuda

@@ -245,5 +245,6 @@ def test_a_profiled_trace_draws_as_a_timeline_per_stream(tmp_path):
 
 
 def test_fuse_glue_is_off_unless_asked_for():
-    assert parse_args(["--device", "cpu"]).fuse_glue is False
-    assert parse_args(["--device", "cpu", "--fuse-glue"]).fuse_glue is True
+    assert parse_args(["--device", "cpu"]).fuse_glue is None
+    assert parse_args(["--device", "cpu", "--fuse-glue"]).fuse_glue == "dynamic"
+    assert parse_args(["--device", "cpu", "--fuse-glue", "static"]).fuse_glue == "static"

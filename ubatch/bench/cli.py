@@ -170,9 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fuse-glue",
-        action="store_true",
+        nargs="?",
+        const="dynamic",
+        choices=["dynamic", "static"],
         help="compile the reference models' elementwise glue (norms, rotary, MoE dispatch plan and combine) "
-        "with torch.compile on CUDA: fewer, fused kernels (ubatch.models.fusion)",
+        "with torch.compile on CUDA: fewer, fused kernels (ubatch.models.fusion); static: once per shape",
     )
     p.add_argument(
         "--link",

@@ -73,7 +73,7 @@ def step_shape(args: argparse.Namespace, tokens: int) -> tuple[list[int], list[i
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """This rank's report (every rank builds the same one; rank 0 draws the plot and trace), with
     the models' glue compiled under ``--fuse-glue``."""
-    with fused_glue(args.fuse_glue):
+    with fused_glue(args.fuse_glue is not None, dynamic=args.fuse_glue != "static"):
         return _run(args)
 
 

@@ -8,7 +8,9 @@ per ubatch. Fused, the unsplit step gets closer to its roofline and a split cost
 Opt-in: inside ``fused_glue()`` (the bench's ``--fuse-glue``) each function is compiled with
 dynamic shapes, so every token count and ubatch size shares one compilation, made by the warm-up
 run before any graph capture; elsewhere, and always on CPU (where CI has no compiler to spare),
-it runs as plain torch.
+it runs as plain torch. ``fused_glue(dynamic=False)`` (``--fuse-glue static``) compiles once per
+shape instead: more compilations, but each kernel tuned for its own size, where a dynamic
+compilation keeps the launch configuration it autotuned at the first size it ran.
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ RECOMPILE_LIMIT = 64
 not) and optional argument a process meets; dynamo's default of 8 is too few for a process that
 builds many models (the GPU test suite), and with ``fullgraph`` running out is an error."""
 
-_fuse: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_fuse_glue", default=False)
+_fuse: contextvars.ContextVar[str | None] = contextvars.ContextVar("ubatch_fuse_glue", default=None)
 
 
 @contextlib.contextmanager
-def fused_glue(enabled: bool = True) -> Iterator[None]:
+def fused_glue(enabled: bool = True, *, dynamic: bool = True) -> Iterator[None]:
     """Compile the glue on CUDA in the ``with`` body (``enabled=False``: run it as plain torch ops,
-    a reference to compare against). The setting reaches every ubatch: each runs in a copy of the
-    caller's context."""
-    token = _fuse.set(enabled)
+    a reference to compare against), with dynamic shapes or once per shape (``dynamic=False``).
+    The setting reaches every ubatch: each runs in a copy of the caller's context."""
+    token = _fuse.set(("dynamic" if dynamic else "static") if enabled else None)
     try:
         yield
     finally:
@@ -57,18 +59,20 @@ def _triton_available() -> bool:
 
 
 def fused(fn: F) -> F:
-    """``fn`` compiled (``fullgraph``, dynamic shapes) inside ``fused_glue()`` when its first
-    argument is a CUDA tensor, else ``fn`` itself. ``fn.eager`` is the plain function."""
-    compiled: list[Callable[..., Any]] = []
+    """``fn`` compiled (``fullgraph``; dynamic shapes or per shape, as ``fused_glue()`` asks) inside
+    ``fused_glue()`` when its first argument is a CUDA tensor, else ``fn`` itself. ``fn.eager``
+    is the plain function."""
+    compiled: dict[str, Callable[..., Any]] = {}
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:
-        if not (_fuse.get() and args[0].is_cuda and _triton_available()):
+        shapes = _fuse.get()
+        if not (shapes and args[0].is_cuda and _triton_available()):
             return fn(*args)
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
+        if shapes not in compiled:
+            compiled[shapes] = torch.compile(fn, dynamic=shapes == "dynamic", fullgraph=True)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled[0](*args)
+            return compiled[shapes](*args)
 
     call.eager = fn  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
