@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
-from ubatch.context import capture_scope, set_forward_context
+from ubatch.context import capture_scope, set_forward_context, static_collectives
 from ubatch.link import HostLink
 from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, moe
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
@@ -251,10 +251,12 @@ def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(chu
     worst = 37 * config.top_k  # the static path's rows to the other rank, per expert group
     assert static_link.bytes_moved == chunks * worst * (row + 4 * config.hidden_size)
     assert int(counted.overflow_count) == 0
-    with capture_scope(skip_attention=False), torch.no_grad():  # a graph's warm-up runs what its capture runs
-        before = counted_link.bytes_moved
-        counted(x)
-    assert counted_link.bytes_moved - before == chunks * worst * (row + 4 * config.hidden_size)
+    # a graph's warm-up runs what its capture runs, and a DP rank whose peers replay issues what they do
+    for scope in (capture_scope(skip_attention=False), static_collectives()):
+        with scope, torch.no_grad():
+            before = counted_link.bytes_moved
+            counted(x)
+        assert counted_link.bytes_moved - before == chunks * worst * (row + 4 * config.hidden_size)
 
 
 # ----- tensor / expert parallelism over gloo ---------------------------------------------------

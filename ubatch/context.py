@@ -105,6 +105,28 @@ def capture_scope(*, skip_attention: bool) -> Iterator[None]:
         _forced_skip_attention.reset(token)
 
 
+_static_collectives: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_static_collectives", default=False)
+
+
+@contextlib.contextmanager
+def static_collectives(enabled: bool = True) -> Iterator[None]:
+    """Make an eager forward in the ``with`` body issue the collectives a graph replay of it would
+    (the shape-static ones, no count exchange). Why: a data-parallel rank that runs a step
+    eagerly while its peers replay the step's graph must match their collectives one for one;
+    ``ModelRunner`` enters this for such steps."""
+    token = _static_collectives.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _static_collectives.reset(token)
+
+
+def in_static_collectives() -> bool:
+    """Whether the forward runs under ``static_collectives()`` or a graph's warm-up or capture
+    (``in_capture_scope``): code with a host-synced eager path takes its captured one."""
+    return _static_collectives.get() or in_capture_scope()
+
+
 def in_capture_scope() -> bool:
     """Whether a CUDA-graph manager's warm-up or capture of a descriptor is running (inside
     ``capture_scope``): code whose eager path differs from its captured one (a host sync, other

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ubatch import comm, islands, scheduler
-from ubatch.context import in_capture_scope
+from ubatch.context import in_static_collectives
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.fusion import fused
@@ -201,7 +201,7 @@ class MoEFFN(nn.Module):
         dispatch (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert
         stage waits for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
-        if self.capacity_factor is None and not _capturing():
+        if self.capacity_factor is None and not _static_only():
             slot, dispatched = self._dispatch_counted(x, ids)
         else:
             slot, dispatched = self._dispatch_static(x, ids)
@@ -430,11 +430,12 @@ def _offsets(rows: list[list[int]]) -> list[int]:
     return starts
 
 
-def _capturing() -> bool:
-    """Whether a CUDA graph (FULL or PIECEWISE) is being recorded, or warmed up for, where no host
-    sync may run and buffers must keep their shapes."""
+def _static_only() -> bool:
+    """Whether the dispatch must be shape-static: a CUDA graph (FULL or PIECEWISE) is being
+    recorded or warmed up for (no host sync, fixed shapes), or the step must issue the collectives
+    a replay would (``static_collectives``: peers may be replaying it)."""
     return (
-        in_capture_scope()
+        in_static_collectives()
         or islands.recording_active()
         or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     )

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ubatch.attention import PagedKVCache
-from ubatch.context import CUDAGraphMode, set_forward_context
+from ubatch.context import CUDAGraphMode, set_forward_context, static_collectives
 from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
 from ubatch.graphed import GraphedModel
@@ -361,15 +361,18 @@ class ModelRunner:
             )
         else:
             slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 or self._single_batch else None
-            hidden = self.execute_model(
-                batch.input_ids,
-                batch.positions,
-                batch.attn_metadata,
-                slot_mapping=batch.slot_mapping,
-                num_tokens=num_tokens,
-                num_tokens_across_dp=across if self._dp_group is not None else None,
-                ubatch_slices=slices,
-            )
+            # peers may replay a graph of this step (the vote allowed one): issue what a replay would
+            replaying_peers = self._dp_group is not None and decision.cudagraph_mode != CUDAGraphMode.NONE
+            with static_collectives(replaying_peers):
+                hidden = self.execute_model(
+                    batch.input_ids,
+                    batch.positions,
+                    batch.attn_metadata,
+                    slot_mapping=batch.slot_mapping,
+                    num_tokens=num_tokens,
+                    num_tokens_across_dp=across if self._dp_group is not None else None,
+                    ubatch_slices=slices,
+                )
         tokens = self.sample(hidden, batch.logits_indices)
         self.check_overflow()
         out = self.update(chunks, tokens)
