@@ -7,6 +7,13 @@ collectives take that much longer, while the unsplit step and the ideal keep the
 
 Example (the 4096-token slow-link prefill of benchmarks/h200x2):
 ``python scripts/schedule_bound.py --compute-ms 71 --comm-ms 126 --layers 8 --attention-share 0.2``
+
+``--join`` models split steps whose ubatches share one expert stage per expert group
+(``splitN+join+pipelineK``, ``ubatch.bench.schedule.joined_step_ms``), ``--expert-chunks``
+the groups and ``--group-cost-ms`` what each further group adds per layer. Example (the
+256-token decode over the link stand-in, benchmarks/RESULTS.md): ``python
+scripts/schedule_bound.py --compute-ms 4.15 --comm-ms 3.53 --layers 4 --attention-share 0.51
+--join --expert-chunks 1,2,4``
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, step_ms  # noqa: E402
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, joined_step_ms, step_ms  # noqa: E402
 
 
 def main() -> None:
@@ -38,6 +45,10 @@ def main() -> None:
         help="how much slower the split collectives run (a report's comm_stretch)",
     )
     p.add_argument("--num-ubatches", default="1,2,3,4")
+    p.add_argument("--join", action="store_true", help="ubatches share one expert stage per expert group")
+    p.add_argument("--expert-chunks", default="1", help="with --join: expert groups, comma-separated")
+    p.add_argument("--group-cost-ms", type=float, default=0.0, help="with --join: per layer, per further group")
+    p.add_argument("--ubatch-cost-ms", type=float, default=0.0, help="with --join: per layer, per ubatch of a split")
     args = p.parse_args()
     if not 0 <= args.attention_share < 1:
         p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
@@ -45,11 +56,29 @@ def main() -> None:
         p.error(f"--comm-stretch must be positive, got {args.comm_stretch}")
     unsplit = args.compute_ms + args.comm_ms
     ideal = unsplit / max(args.compute_ms, args.comm_ms)
-    for n in map(int, args.num_ubatches.split(",")):
-        t = step_ms(n, args.layers, args.compute_ms, args.comm_ms, args.attention_share, args.comm_stretch)
+
+    def report(label: str, t: float) -> None:
         speedup = unsplit / t
         efficiency = (speedup - 1) / (ideal - 1) if ideal > 1 else float("nan")
-        print(f"N={n}: {t:.1f} ms, speedup {speedup:.3f}x of ideal {ideal:.3f}x, efficiency {efficiency:.2f}")
+        print(f"{label}: {t:.2f} ms, speedup {speedup:.3f}x of ideal {ideal:.3f}x, efficiency {efficiency:.2f}")
+
+    for n in map(int, args.num_ubatches.split(",")):
+        if not args.join:
+            t = step_ms(n, args.layers, args.compute_ms, args.comm_ms, args.attention_share, args.comm_stretch)
+            report(f"N={n}", t)
+            continue
+        for k in map(int, args.expert_chunks.split(",")):
+            t = joined_step_ms(
+                n,
+                k,
+                args.layers,
+                args.compute_ms,
+                args.comm_ms,
+                args.attention_share,
+                group_cost_ms=args.group_cost_ms,
+                ubatch_cost_ms=args.ubatch_cost_ms,
+            )
+            report(f"N={n} joined, K={k}", t)
 
 
 if __name__ == "__main__":

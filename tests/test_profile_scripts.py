@@ -180,6 +180,30 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
     assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
 
 
+def test_joined_schedule_by_hand_and_its_costs():
+    """One layer, C = 4 (attention 2, experts 2), M = 2 (dispatch 1, combine 1), by hand."""
+    joined = schedule_bound.joined_step_ms
+    assert joined(1, 1, 1, 4.0, 2.0, 0.5) == pytest.approx(6.0), "unsplit: the serial sum"
+    # attention A 0-1, its dispatch 1-1.5; B 1-2, its dispatch 2-2.5; experts 2.5-4.5; combines to 5.5
+    assert joined(2, 1, 1, 4.0, 2.0, 0.5) == pytest.approx(5.5)
+    # attention 0-2; group dispatches 2-2.5, 2.5-3; GEMMs 2.5-3.5, 3.5-4.5; last combine 4.5-5
+    assert joined(1, 2, 1, 4.0, 2.0, 0.5) == pytest.approx(5.0)
+    assert joined(1, 2, 1, 4.0, 2.0, 0.5, group_cost_ms=0.25) == pytest.approx(5.5)
+    assert joined(2, 1, 1, 4.0, 2.0, 0.5, ubatch_cost_ms=0.1) == pytest.approx(5.7)
+    # a small first ubatch: its dispatch hides, the large one's lands at 2.75, experts to 4.75
+    assert joined(2, 1, 1, 4.0, 2.0, 0.5, shares=[0.25, 0.75]) == pytest.approx(5.75)
+    with pytest.raises(ValueError, match="shares must be 2 positive numbers summing to 1"):
+        joined(2, 1, 1, 4.0, 2.0, 0.5, shares=[0.5, 0.6])
+
+
+def test_schedule_bound_prints_joined_modes(monkeypatch, capsys):
+    argv = ["schedule_bound.py", "--compute-ms", "4", "--comm-ms", "2", "--layers", "1", "--attention-share", "0.5"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--join", "--expert-chunks", "1,2", "--num-ubatches", "2"])
+    schedule_bound.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("N=2 joined, K=1: 5.50 ms") and out[1].startswith("N=2 joined, K=2:")
+
+
 @pytest.mark.parametrize("num_ubatches", [1, 2])
 def test_first_use_cost_serves_the_same_requests_twice(capsys, num_ubatches):
     row = first_use_cost.main(

@@ -9,6 +9,9 @@ lane in the same order. Costs scale linearly with the ubatch's share of tokens a
 down when overlapped unless ``comm_stretch`` says so, so the result is a bound: what is left
 between it and a measured step is overlap slowdown, fill and drain the model misses, and noise.
 
+``joined_step_ms`` models the joined expert stages and expert groups the same way (one GEMM
+per expert group over every ubatch's rows), for bounds on those modes.
+
 Reports carry it twice: with plain collectives (what the schedule alone allows) and with the
 row's measured ``comm_stretch`` (what the schedule allows once the collectives run as slowly
 as they did), so a row's gap to its ideal splits into schedule, stretch and the rest.
@@ -35,6 +38,50 @@ def step_ms(
             for u in range(num_ubatches):
                 compute_free = max(compute_free, ready[u]) + work
                 comm_free = max(comm_free, compute_free) + collective
+                ready[u] = comm_free
+    return max(compute_free, *ready)
+
+
+def joined_step_ms(
+    num_ubatches: int,
+    expert_chunks: int,
+    layers: int,
+    compute_ms: float,
+    comm_ms: float,
+    attention_share: float,
+    *,
+    group_cost_ms: float = 0.0,
+    ubatch_cost_ms: float = 0.0,
+    shares: list[float] | None = None,
+) -> float:
+    """Makespan of one step with joined expert stages (``splitN+join+pipelineK``; N = 1 is plain
+    expert pipelining, K = 1 one expert stage) under the same model: each ubatch's attention and
+    its ``expert_chunks`` dispatches, then per expert group one GEMM over every ubatch's rows (its
+    share of the experts' compute, plus ``group_cost_ms`` per layer for every group past the
+    first: smaller GEMMs, more launches) and every ubatch's combine of that group. In a split,
+    each ubatch's attention also costs ``ubatch_cost_ms`` per layer (its own launches of every
+    small kernel). ``shares``: each ubatch's share of the tokens (default: equal)."""
+    shares = [1 / num_ubatches] * num_ubatches if shares is None else shares
+    if len(shares) != num_ubatches or abs(sum(shares) - 1) > 1e-9 or min(shares) <= 0:
+        raise ValueError(f"shares must be {num_ubatches} positive numbers summing to 1, got {shares}")
+    attention = compute_ms * attention_share / layers
+    experts = compute_ms * (1 - attention_share) / layers / expert_chunks
+    experts += group_cost_ms if expert_chunks > 1 else 0.0
+    collective = comm_ms / 2 / layers / expert_chunks  # one group's rows of the whole step
+    compute_free = comm_free = 0.0
+    ready = [0.0] * num_ubatches  # when each ubatch's last combine delivered its rows
+    for _ in range(layers):
+        arrived = [0.0] * expert_chunks  # when every ubatch's rows of a group have landed
+        for u, share in enumerate(shares):
+            compute_free = max(compute_free, ready[u]) + attention * share
+            compute_free += ubatch_cost_ms if num_ubatches > 1 else 0.0
+            for g in range(expert_chunks):
+                comm_free = max(comm_free, compute_free) + collective * share
+                arrived[g] = comm_free
+        for g in range(expert_chunks):
+            compute_free = max(compute_free, arrived[g]) + experts
+            for u, share in enumerate(shares):
+                comm_free = max(comm_free, compute_free) + collective * share
                 ready[u] = comm_free
     return max(compute_free, *ready)
 
