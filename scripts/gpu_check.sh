@@ -25,6 +25,7 @@ fi
 run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}" 2>&1 \
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
+run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
 
 parts=${GPU_CHECK_PARTS:-tests link modes modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
@@ -88,24 +89,28 @@ if want link; then  # the link stand-in alone: its GPU tests, then what it reach
 fi
 if want modes; then  # one H200: every overlap mode from graphs, no communication, then over the link stand-in
   # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
-  modes="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --modes overlap,pipeline2,pipeline4,split2,split2+pipeline2"
-  decode="$modes,split2+join,split2+join+pipeline2,split2+join+pipeline4 --workload decode --tokens 256,1024"
-  run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
-  run1 150 $decode --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
+  common="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0"
+  split_modes="overlap,pipeline2,pipeline4,split2,split2+pipeline2"
+  decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4"
+  decode="$common --workload decode --tokens 256,1024 --modes"
+  prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3"
+  run1 150 $decode $decode_modes --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
-  run1 180 $decode,split2@green16,split2+join@green16 --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10.json" | tail -36
+  run1 180 $decode $decode_modes,split2@green16,split2+join@green16 --preset moe-bench --link host:10 \
+    --out "$OUT/modes_moe_decode_link10.json" | tail -36
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
       --modes pipeline2,split2,split3 --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
   done
-  run1 120 $modes,split3 --preset moe-bench --workload prefill --prompt-len 512 --tokens 4096 --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
-  run1 150 $decode --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" | tail -30
+  run1 120 $prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
+  run1 150 $decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
+    | tail -30
   # the same with capacity factors measured from its routing instead of 2.0: how much less the dispatch moves
-  run1 180 $decode --preset deepseek-bench --link host:33 --capacity-factor measured \
+  run1 180 $decode $decode_modes --preset deepseek-bench --link host:33 --capacity-factor measured \
     --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
-  run1 150 $modes,split3 --preset deepseek-bench --workload prefill --prompt-len 512 --tokens 4096 --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
+  run1 150 $prefill --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
