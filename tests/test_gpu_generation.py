@@ -7,6 +7,7 @@ import torch
 from tests.test_runner import naive_greedy, prompts_for
 from ubatch import CUDAGraphMode
 from ubatch.models import ModelConfig, build_model
+from ubatch.policy import ModePolicy
 from ubatch.runner import ModelRunner
 
 
@@ -70,6 +71,26 @@ def test_cuda_graph_runner_in_an_overlap_mode_equals_naive_recompute(mode):
     replayed = []
     replay = runner.graphs.replay
     runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    try:
+        assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
+        assert any(d.cg_mode == CUDAGraphMode.FULL for d in replayed), replayed
+    finally:
+        runner.close()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_runner_under_a_mode_policy_equals_naive_recompute():
+    """Each mode captures graphs of its own; decode steps (few tokens) replay pipeline2's, the
+    large prefill steps split2's (PIECEWISE)."""
+    config = ModelConfig.preset("small-moe", dtype=torch.float32)
+    model = build_model(config, device="cuda")
+    prompts = prompts_for(config, (5, 70, 33, 128))
+    policy = ModePolicy({"unsplit": {1: 10.0, 64: 10.0}, "pipeline2": {1: 5.0, 64: 50.0}, "split2": {1: 50.0, 64: 5.0}})
+    runner = _graph_runner(model, config, overlap_mode=policy)
+    replayed = []
+    for serving in runner._serving.values():
+        replay = serving.graphs.replay
+        serving.graphs.replay = lambda desc, *args, _replay=replay: replayed.append(desc) or _replay(desc, *args)
     try:
         assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
         assert any(d.cg_mode == CUDAGraphMode.FULL for d in replayed), replayed

@@ -87,7 +87,8 @@ class StepOutput:
     appended, more than one after accepted drafts), the requests that finished (request id ->
     all generated tokens), the token count every DP rank ran (padding included; all zero when
     no rank had work, which is how ``generate`` knows every rank is done) and this step's
-    proposed and accepted draft tokens; ``num_ubatches``: how many ubatches the step ran in."""
+    proposed and accepted draft tokens; ``num_ubatches``: how many ubatches the step ran in;
+    ``overlap_mode``: the name of the overlap mode it ran in."""
 
     new_tokens: dict[int, int] = field(default_factory=dict)
     finished: dict[int, list[int]] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class StepOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_ubatches: int = 1
+    overlap_mode: str = "unsplit"
 
 
 def build_batch_inputs(

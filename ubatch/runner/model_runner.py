@@ -38,7 +38,7 @@ from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group,
 from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.overlap import OverlapMode, apply_mode
-from ubatch.policy import SplitPolicy
+from ubatch.policy import ModePolicy, SplitPolicy
 from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_batch_inputs
 from ubatch.runner.checks import (
     check_count,
@@ -48,12 +48,17 @@ from ubatch.runner.checks import (
     is_local,
     per_prompt_limits,
 )
-from ubatch.runner.modes import check_same_mode_across_dp, mode_partition, resolve_mode
+from ubatch.runner.modes import (
+    ServingMode,
+    check_same_modes_across_dp,
+    most_tokens_across_dp,
+    resolve_modes,
+    serving_mode,
+)
 from ubatch.runner.scheduling import RequestScheduler
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
 from ubatch.spec import DraftModel, DraftRequest, SpecStats, accept_greedy
-from ubatch.wrapper import UBatchWrapper
 
 
 class ModelRunner:
@@ -73,7 +78,9 @@ class ModelRunner:
     ``ubatch.overlap.OverlapMode`` or its name, e.g. ``"pipeline2"``, ``"split2+join"``,
     ``"split2@green16"``) serves every step in that mode instead of a plain ``num_ubatches`` split:
     it sets the MoE layers' expert groups and joining, runs unsplit steps as one ubatch, and
-    gives the comm stream its SM partition; every DP rank must pass the same one.
+    gives the comm stream its SM partition. A ``ModePolicy`` instead serves each step in the
+    mode it picks for the step's token count (the largest over DP ranks), each mode with graphs
+    of its own. Every DP rank must pass the same mode or policy.
     """
 
     def __init__(
@@ -94,7 +101,7 @@ class ModelRunner:
         draft_model: Decoder | None = None,
         num_speculative_tokens: int | None = None,
         split_policy: SplitPolicy | None = None,
-        overlap_mode: OverlapMode | str | None = None,
+        overlap_mode: OverlapMode | str | ModePolicy | None = None,
     ) -> None:
         for name, value in (
             ("num_kv_blocks", num_kv_blocks),
@@ -106,8 +113,9 @@ class ModelRunner:
             check_count(name, value)
         if max_model_len is not None:
             check_count("max_model_len", max_model_len)
-        self.overlap_mode = resolve_mode(overlap_mode, num_ubatches)
-        num_ubatches = self.overlap_mode.num_ubatches
+        modes, self._mode_policy = resolve_modes(overlap_mode, num_ubatches)
+        if self._mode_policy is not None and split_policy is not None:
+            raise ValueError("give a split_policy or a mode policy (overlap_mode=ModePolicy), not both")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
@@ -125,27 +133,12 @@ class ModelRunner:
         self.kv_cache = PagedKVCache.for_model(
             model, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=config.dtype
         )
-        self.num_ubatches = num_ubatches
         self.split_policy = split_policy
         self._init_dp(dp_group, timeout_s)
         if dp_group is not None:
-            check_same_mode_across_dp(self.overlap_mode, self._dp_group)  # the gloo vote group
-        apply_mode(model, self.overlap_mode)
-        # single-batch overlap and expert pipelining run every step as one ubatch; a split whose
-        # step is not split (too small, or a DP rank declined) runs it plain
-        self._single_batch = self.overlap_mode.runs_as_ubatches and num_ubatches == 1
-        self._sm_partition = mode_partition(self.overlap_mode, self.device)
-        self.runnable = (
-            UBatchWrapper(
-                model,
-                num_ubatches=num_ubatches,
-                device=self.device,
-                timeout_s=timeout_s,
-                sm_partition=self._sm_partition,
-            )
-            if self.overlap_mode.runs_as_ubatches
-            else model
-        )
+            check_same_modes_across_dp(modes, self._mode_policy, self._dp_group)  # the gloo vote group
+        self._serving = {mode.name: serving_mode(model, mode, self.device, timeout_s) for mode in modes}
+        self._activate(modes[0].name)
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
         self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
@@ -158,7 +151,9 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             num_speculative_tokens=self.num_speculative_tokens,
         )
-        self.graphs = self._make_graphs(cudagraph_capture_sizes)
+        for serving in self._serving.values():
+            serving.graphs = self._make_graphs(cudagraph_capture_sizes, serving)
+        self._activate(modes[0].name)
 
     @property
     def block_pool(self) -> Any:
@@ -204,10 +199,22 @@ class ModelRunner:
     def _max_blocks_per_req(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
 
-    def _make_graphs(self, capture_sizes: Sequence[int] | None) -> GraphedModel | None:
-        """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest; captured
-        by ``capture_graphs()``. With speculation a decode step verifies k + 1 tokens per
-        request: FULL graphs are keyed on that spec length, at sizes rounded up to multiples of it."""
+    def _activate(self, name: str) -> None:
+        """Serve the next step in mode ``name``: the model's MoE layers, the runnable, the graphs
+        and the ubatch count are that mode's."""
+        serving = self._serving[name]
+        apply_mode(self.model, serving.mode)
+        self.overlap_mode = serving.mode
+        self.num_ubatches = serving.mode.num_ubatches
+        self.runnable = serving.runnable
+        self.graphs = serving.graphs
+        self._single_batch = serving.single_batch
+
+    def _make_graphs(self, capture_sizes: Sequence[int] | None, serving: ServingMode) -> GraphedModel | None:
+        """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest, of one
+        serving mode; captured by ``capture_graphs()``. With speculation a decode step verifies
+        k + 1 tokens per request: FULL graphs are keyed on that spec length, at sizes rounded up
+        to multiples of it."""
         if not capture_sizes:
             return None
         if self.device.type != "cuda":
@@ -217,17 +224,22 @@ class ModelRunner:
             self.model,
             capture_sizes=sizes_with_multiples(capture_sizes, [per_request]),
             max_blocks_per_req=self._max_blocks_per_req,
-            ubatch_counts=sorted({1, self.num_ubatches}),
+            ubatch_counts=sorted({1, serving.mode.num_ubatches}),
             uniform_token_count=per_request,
-            sm_partition=self._sm_partition,
-            single_batch_overlap=self._single_batch,
+            sm_partition=serving.sm_partition,
+            single_batch_overlap=serving.single_batch,
         )
 
     def capture_graphs(self) -> None:
-        """Capture every graph (on every DP rank, which captures the same collectives)."""
+        """Capture every graph, every serving mode's with that mode in force (on every DP rank,
+        which captures the same collectives)."""
         if self.graphs is None:
             raise ValueError("this runner has no cudagraph_capture_sizes")
-        self.graphs.capture()
+        active = self.overlap_mode.name
+        for name, serving in self._serving.items():
+            self._activate(name)
+            serving.graphs.capture()
+        self._activate(active)
         if self.drafter is not None:
             self.drafter.capture_graphs()
 
@@ -259,8 +271,9 @@ class ModelRunner:
         """Free the captured graphs, the target's and the drafter's; later steps run eagerly.
         Call it on every rank before ``destroy_process_group``: NCCL's teardown hangs while a
         graph holding one of its collectives is alive."""
-        if self.graphs is not None:
-            self.graphs.release()
+        for serving in self._serving.values():
+            if serving.graphs is not None:
+                serving.graphs.release()
         if self.drafter is not None:
             self.drafter.release_graphs()
 
@@ -331,6 +344,8 @@ class ModelRunner:
     def _step(self) -> StepOutput:
         chunks = self.propose_drafts(self.schedule())
         query_lens = [c.query_len for c in chunks]
+        if self._mode_policy is not None:
+            self._activate(self._mode_policy.decide(most_tokens_across_dp(sum(query_lens), self._dp_group)))
         graph = self._propose_graph(query_lens)
         decision = self.decide(
             sum(query_lens),
@@ -339,7 +354,7 @@ class ModelRunner:
         )
         across = decision.num_tokens_across_dp
         if not any(across):
-            return StepOutput(num_tokens_across_dp=across)
+            return StepOutput(num_tokens_across_dp=across, overlap_mode=self.overlap_mode.name)
         num_tokens = across[self.dp_rank]
         batch = self.build_inputs(chunks, num_tokens_padded=num_tokens)
         num_ubatches = self.num_ubatches if decision.should_ubatch else 1
@@ -360,7 +375,9 @@ class ModelRunner:
                 graph, batch.input_ids, batch.positions, batch.attn_metadata[self.model.layer_names[0]]
             )
         else:
-            slices = self._split(chunks, num_ubatches, num_tokens) if num_ubatches > 1 or self._single_batch else None
+            # a rank with only padding runs it plain: one ubatch or none issues the same collectives
+            as_ubatches = num_ubatches > 1 or (self._single_batch and bool(chunks))
+            slices = self._split(chunks, num_ubatches, num_tokens) if as_ubatches else None
             # peers may replay a graph of this step (the vote allowed one): issue what a replay would
             replaying_peers = self._dp_group is not None and decision.cudagraph_mode != CUDAGraphMode.NONE
             with static_collectives(replaying_peers):
@@ -378,6 +395,7 @@ class ModelRunner:
         out = self.update(chunks, tokens)
         out.num_tokens_across_dp = across
         out.num_ubatches = num_ubatches
+        out.overlap_mode = self.overlap_mode.name
         return out
 
     def schedule(self) -> list[Chunk]:
