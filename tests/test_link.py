@@ -580,7 +580,9 @@ def test_cuda_link_on_the_schedulers_comm_stream():
 @pytest.mark.parametrize("bandwidth", [10.0, 25.0])
 @pytest.mark.parametrize("payload_mib", [2, 128])
 def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth, payload_mib):
-    """Large payloads and the few-MiB ones of a decode step's dispatch alike."""
+    """Large payloads and the few-MiB ones of a decode step's dispatch alike: never more than 15%
+    faster than set (what would flatter an overlap), and no slower than set plus the copies' own
+    latency (at most 50 us a collective: a few chunks' launch-to-copy delays)."""
     link = HostLink(2, bandwidth)
     link.prepare()
     if link.describe()["copy_engine_gbps"] < bandwidth * 1.2:
@@ -593,9 +595,12 @@ def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth, payload_mib):
         link.all_reduce(x)
     end.record()
     end.synchronize()
-    assert 4 * x.nbytes / (start.elapsed_time(end) / 1e3) / 1e9 == pytest.approx(bandwidth, rel=0.15)
-    for reached in link.describe()["reached_gbps_by_bytes"].values():
-        assert reached == pytest.approx(bandwidth, rel=0.15)
+    seconds = start.elapsed_time(end) / 1e3 / 4
+    at_bandwidth = x.nbytes / (bandwidth * 1e9)
+    assert 0.85 * at_bandwidth <= seconds <= 1.15 * at_bandwidth + 50e-6
+    reached = link.describe()["reached_gbps_by_bytes"]
+    assert reached[max(reached)] == pytest.approx(bandwidth, rel=0.15)
+    assert all(gbps <= 1.15 * bandwidth for gbps in reached.values())
 
 
 def test_link_bandwidth_script_table_and_cpu_exit(capsys):
