@@ -23,6 +23,7 @@ from ubatch.attention.backends import get_backend
 from ubatch.bench.graphs import GRAPH_MODES
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
 from ubatch.bench.modes import GraphedMode, mode_partition
+from ubatch.bench.options import int_list
 from ubatch.bench.workload import make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
@@ -98,7 +99,7 @@ def main() -> None:
     p.add_argument("--preset", default="moe-bench")
     p.add_argument(
         "--tokens",
-        type=lambda text: [int(t) for t in text.split(",")],
+        type=int_list,
         default=[256],
         help="tokens per step, comma-separated, profiled in this order in one process (as ubatch-bench captures them)",
     )

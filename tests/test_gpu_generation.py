@@ -39,6 +39,14 @@ def _graph_runner(model, config, **kwargs) -> ModelRunner:
     return runner
 
 
+def _record_replays(graphs) -> list:
+    """The descriptors ``graphs`` replays from now on, in order."""
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    return replayed
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_ubatches", [1, 2])
 @pytest.mark.parametrize("preset", ["small", "small-moe"])
@@ -47,9 +55,7 @@ def test_cuda_graph_runner_generation_equals_naive_recompute(preset, num_ubatche
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
     runner = _graph_runner(model, config, num_ubatches=num_ubatches)
-    replayed = []
-    replay = runner.graphs.replay
-    runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    replayed = _record_replays(runner.graphs)
     assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
     for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
         assert any(d.cg_mode == mode and d.num_ubatches == num_ubatches for d in replayed), (mode, replayed)
@@ -68,9 +74,7 @@ def test_cuda_graph_runner_in_an_overlap_mode_equals_naive_recompute(mode):
     model = build_model(config, device="cuda")
     prompts = prompts_for(config, (5, 70, 33, 128))
     runner = _graph_runner(model, config, overlap_mode=mode)
-    replayed = []
-    replay = runner.graphs.replay
-    runner.graphs.replay = lambda desc, *args: replayed.append(desc) or replay(desc, *args)
+    replayed = _record_replays(runner.graphs)
     try:
         assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
         assert any(d.cg_mode == CUDAGraphMode.FULL for d in replayed), replayed
@@ -87,12 +91,9 @@ def test_cuda_graph_runner_under_a_mode_policy_equals_naive_recompute():
     prompts = prompts_for(config, (5, 70, 33, 128))
     policy = ModePolicy({"unsplit": {1: 10.0, 64: 10.0}, "pipeline2": {1: 5.0, 64: 50.0}, "split2": {1: 50.0, 64: 5.0}})
     runner = _graph_runner(model, config, overlap_mode=policy)
-    replayed = []
-    for serving in runner._serving.values():
-        replay = serving.graphs.replay
-        serving.graphs.replay = lambda desc, *args, _replay=replay: replayed.append(desc) or _replay(desc, *args)
+    per_mode = [_record_replays(serving.graphs) for serving in runner._serving.values()]
     try:
         assert runner.generate(prompts, 12) == [naive_greedy(model, p, 12) for p in prompts]
-        assert any(d.cg_mode == CUDAGraphMode.FULL for d in replayed), replayed
+        assert any(d.cg_mode == CUDAGraphMode.FULL for replayed in per_mode for d in replayed), per_mode
     finally:
         runner.close()

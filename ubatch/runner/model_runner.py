@@ -138,7 +138,6 @@ class ModelRunner:
         if dp_group is not None:
             check_same_modes_across_dp(modes, self._mode_policy, self._dp_group)  # the gloo vote group
         self._serving = {mode.name: serving_mode(model, mode, self.device, timeout_s) for mode in modes}
-        self._activate(modes[0].name)
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
         self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
