@@ -577,6 +577,45 @@ def test_cuda_link_on_the_schedulers_comm_stream():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("capture", [False, True])
+def test_cuda_an_input_dropped_after_an_async_start_still_arrives(capture):
+    """The MoE dispatch's pattern: a buffer made on one stream, sent from another (the comm
+    stream), dropped at once, and its maker goes on allocating and writing while the slow link
+    still reads it: the output must be what was sent, eager and replayed."""
+    link = HostLink(2, 1.0)  # 8 MiB at 1 GB/s: ~4 ms in flight
+    link.prepare()
+    maker, comm_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    sent = torch.arange(1 << 21, device="cuda", dtype=torch.float32)
+    out = torch.zeros_like(sent)
+    overwritten = []
+
+    def step():
+        origin = torch.cuda.current_stream()
+        maker.wait_stream(origin)
+        with torch.cuda.stream(maker):
+            x = sent.clone()
+            comm_stream.wait_stream(maker)
+            with torch.cuda.stream(comm_stream):
+                link.all_to_all_single(out, x, async_op=True)
+            del x
+            overwritten.append(torch.full_like(sent, -1.0))  # the freed block, if nothing holds it
+            maker.wait_stream(comm_stream)
+        origin.wait_stream(maker)
+
+    torch.cuda.synchronize()
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        out.zero_()
+        graph.replay()
+    else:
+        step()
+    torch.cuda.synchronize()
+    assert torch.equal(out, sent)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("bandwidth", [10.0, 25.0])
 @pytest.mark.parametrize("payload_mib", [2, 128])
 def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth, payload_mib):

@@ -22,6 +22,8 @@ CUDA: the moved bytes go device -> pinned host slot (D2H, on the caller's curren
 device (H2D, on a side stream), in chunks pipelined through a ring of pinned slots, so D2H and
 H2D run at once on their own copy engines; events order each slot's reuse. All work forks from
 and joins back to the current stream, needs no host sync and can be captured in a CUDA graph.
+A collective's tensors stay reserved until its transfer is done (``record_stream``, as a process
+group keeps them), so a caller may drop an input right after an async start.
 The all-to-all and gather / scatter outputs are written by the transfer itself, so a consumer
 that does not wait for the collective reads stale data, as it would over a real link. The first
 use outside a capture (or ``prepare()``) allocates the ring and side stream and calibrates: it
@@ -374,6 +376,7 @@ class HostLink:
         with torch.cuda.device(self.device):
             data = _bytes(tensor)
             self._staging().round_trip(data, data, moved)
+            _in_use_until_done(tensor)
         return self._cuda_work(name, moved, async_op)
 
     def all_gather_into_tensor(
@@ -415,6 +418,7 @@ class HostLink:
             if own and output.data_ptr() != input.data_ptr():
                 dst[:own].copy_(src[:own])
             self._staging().round_trip(src[own:], dst[own:], moved)
+            _in_use_until_done(input, output)
         return self._cuda_work(op, moved, async_op)
 
     def _cpu_work(self, op: str, moved: int, async_op: bool) -> LinkWork | None:
@@ -499,6 +503,17 @@ def _check_reduce_op(op: str, reduce_op: Any) -> None:
             f"{op}: HostLink supports the reductions that are the identity over one rank "
             f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}"
         )
+
+
+def _in_use_until_done(*tensors: torch.Tensor) -> None:
+    """Keep the tensors' blocks from new work until the current stream's transfer is done, as a
+    process group keeps a collective's tensors: a caller that drops an input right after an async
+    collective would otherwise see its block handed to new work on the stream that made it while
+    the copy engine still reads it."""
+    stream = torch.cuda.current_stream()
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

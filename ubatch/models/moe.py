@@ -70,8 +70,10 @@ class _Dispatched:
     back_groups: list[slice]
     dispatches: list[comm.CollectiveHandle | None]
     splits: list[tuple[list[int], list[int]]] | None = None
-    # The combines' inputs, held by the ubatch that waits for them: freed before that wait, a
-    # block could go to new work on its stream while the comm stream still reads it.
+    # The dispatch's send buffer and the combines' inputs, held until the layer's combines are
+    # waited: freed while a transfer still reads them, their blocks could go to new work on the
+    # stream that made them (another ubatch's shared experts, the next expert group).
+    send: torch.Tensor | None = None
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -237,7 +239,7 @@ class MoEFFN(nn.Module):
         dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
         back = x.new_empty(trash + 1, hidden)
         back[trash].zero_()
-        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches)
+        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, send=send)
 
     def _dispatch_counted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
         """Only the real rows: every rank's count per (group, destination) exchanged first (a
@@ -262,7 +264,7 @@ class MoEFFN(nn.Module):
             for r, b, split in zip(recv_groups, back_groups, splits)
         ]
         back = x.new_empty(send.shape[0], hidden)
-        return slot, _Dispatched(num_tokens, recv, back, recv_groups, back_groups, dispatches, splits)
+        return slot, _Dispatched(num_tokens, recv, back, recv_groups, back_groups, dispatches, splits, send)
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
