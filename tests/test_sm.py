@@ -7,6 +7,7 @@ ask for 50%."""
 from __future__ import annotations
 
 import enum
+import gc
 import importlib.util
 import json
 import logging
@@ -232,6 +233,20 @@ def test_green_builds_one_disjoint_pair_per_distinct_phase_budget(fake_hopper, c
     assert part.partition_sms() == (116, 16) and part.partition_sms("decode") == (124, 8)
     assert [name for name, _ in driver.calls].count("cuGreenCtxCreate") == 4
     assert "116 compute SMs, 16 comm SMs" in caplog.text
+
+
+def test_green_contexts_are_made_once_per_size_and_outlive_their_partitions(fake_hopper):
+    """A dropped partition must not destroy streams the caching allocator may still know (a
+    block used on one records an event on it when freed): partitions of one size share a kept pair."""
+    driver = fake_hopper(_fake_driver())
+    first = SMPartition("green", 16, "cuda:0")
+    assert SMPartition("green", 16, "cuda:0")._green[16] is first._green[16]
+    del first
+    gc.collect()
+    names = [name for name, _ in driver.calls]
+    assert names.count("cuGreenCtxCreate") == 2 and "cuGreenCtxDestroy" not in names
+    SMPartition("green", 8, "cuda:0")
+    assert [name for name, _ in driver.calls].count("cuGreenCtxCreate") == 4, "another size, another pair"
 
 
 def test_green_carves_every_sm_outside_the_compute_partition_out_of_gemms(fake_hopper):

@@ -143,6 +143,13 @@ class _GreenContexts:
                 driver.cuGreenCtxDestroy(context)
 
 
+_KEPT_GREEN: dict[tuple[int, int | None, int], _GreenContexts] = {}
+"""Green context pairs by (driver, device, comm SMs), made once and kept for the process, with
+every stream made on them: each partition of that size shares them. Why: destroying a pair (and
+its streams) while the caching allocator may still hold blocks used on those streams, then
+making another, crashed a bench process on the H200 that swept several ``@greenK`` modes."""
+
+
 class SMPartition:
     """How ubatch compute and communication share the GPU's SMs; see the module docstring.
 
@@ -373,8 +380,10 @@ class SMPartition:
         driver = _load_driver()
         try:
             for sms in sorted(set(self._phase_sms.values())):
-                green = _GreenContexts(driver, self.device.index, sms)
-                self._green[sms] = green
+                key = (id(driver), self.device.index, sms)
+                if key not in _KEPT_GREEN:
+                    _KEPT_GREEN[key] = _GreenContexts(driver, self.device.index, sms)
+                green = self._green[sms] = _KEPT_GREEN[key]
                 logger.info(
                     "SMPartition green: %d compute SMs, %d comm SMs (requested %d of %d)",
                     green.compute_sms,
