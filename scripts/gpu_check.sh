@@ -91,9 +91,9 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
   common="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0"
   split_modes="overlap,pipeline2,pipeline4,split2,split2+pipeline2"
-  decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4"
+  decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4,split2+local"
   decode="$common --workload decode --tokens 256,1024 --modes"
-  prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3"
+  prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
   run1 150 $decode $decode_modes --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
@@ -102,7 +102,7 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
-      --modes pipeline2,split2,split3 --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
+      --modes pipeline2,split2,split3,split2+local --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
   done
   run1 120 $prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
   run1 150 $decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \

@@ -14,6 +14,11 @@ the groups and ``--group-cost-ms`` what each further group adds per layer. Examp
 256-token decode over the link stand-in, benchmarks/RESULTS.md): ``python
 scripts/schedule_bound.py --compute-ms 4.15 --comm-ms 3.53 --layers 4 --attention-share 0.51
 --join --expert-chunks 1,2,4``
+
+``--local-share`` lets that share of each ubatch's expert work start before its dispatch lands
+(own rows first, ``+local``; 0.5 with two ranks). Example (moe-bench's 4096-token prefill over
+the link stand-in): ``python scripts/schedule_bound.py --compute-ms 26.07 --comm-ms 20.87
+--layers 4 --attention-share 0.2 --num-ubatches 2 --local-share 0.5``
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ def main() -> None:
         help="how much slower the split collectives run (a report's comm_stretch)",
     )
     p.add_argument("--num-ubatches", default="1,2,3,4")
+    p.add_argument(
+        "--local-share",
+        type=float,
+        default=0.0,
+        help="share of each ubatch's expert work that starts before its dispatch lands (own rows first: 1/W)",
+    )
     p.add_argument("--join", action="store_true", help="ubatches share one expert stage per expert group")
     p.add_argument("--expert-chunks", default="1", help="with --join: expert groups, comma-separated")
     p.add_argument("--group-cost-ms", type=float, default=0.0, help="with --join: per layer, per further group")
@@ -52,6 +63,10 @@ def main() -> None:
     args = p.parse_args()
     if not 0 <= args.attention_share < 1:
         p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
+    if not 0 <= args.local_share <= 1:
+        p.error(f"--local-share must be in [0, 1], got {args.local_share}")
+    if args.join and args.local_share:
+        p.error("--local-share models plain splits; the joined model has no own-rows stage")
     if args.comm_stretch <= 0:
         p.error(f"--comm-stretch must be positive, got {args.comm_stretch}")
     unsplit = args.compute_ms + args.comm_ms
@@ -64,8 +79,10 @@ def main() -> None:
 
     for n in map(int, args.num_ubatches.split(",")):
         if not args.join:
-            t = step_ms(n, args.layers, args.compute_ms, args.comm_ms, args.attention_share, args.comm_stretch)
-            report(f"N={n}", t)
+            t = step_ms(
+                n, args.layers, args.compute_ms, args.comm_ms, args.attention_share, args.comm_stretch, args.local_share
+            )
+            report(f"N={n}" + (f", own rows first ({args.local_share:g})" if args.local_share else ""), t)
             continue
         for k in map(int, args.expert_chunks.split(",")):
             t = joined_step_ms(

@@ -1,7 +1,8 @@
 """Overlap modes on the GPU: single-batch overlap and expert pipelining replayed from FULL and
 PIECEWISE graphs equal the plain eager step, float32 (masked experts) and bf16 (grouped GEMM);
 splits with joined expert stages, eager and replayed from FULL graphs, over no link and over the
-link stand-in (whose transfers really run on the copy engines), equal the unsplit eager step.
+link stand-in (whose transfers really run on the copy engines), and own rows first over the link,
+equal the unsplit eager step.
 
 Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
 grouped GEMM's row blocking).
@@ -80,6 +81,27 @@ def test_single_batch_overlap_replay_equals_plain_eager(dtype, mode, chunks):
 @pytest.mark.parametrize("mode_name", ["split2+join", "split2+join+pipeline2", "split3+join+pipeline4"])
 @pytest.mark.parametrize("dtype", list(CONFIGS))
 def test_joined_experts_eager_and_full_replay_equal_unsplit(dtype, mode_name, link):
+    _check_split_mode(dtype, mode_name, link)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "mode_name, graph_mode",
+    [
+        ("local", CUDAGraphMode.FULL),
+        ("split2+local", CUDAGraphMode.FULL),
+        ("split2+join+pipeline2+local", CUDAGraphMode.FULL),
+        ("split2+local", CUDAGraphMode.PIECEWISE),
+        ("pipeline2+local", CUDAGraphMode.PIECEWISE),
+    ],
+)
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_own_rows_first_eager_and_replayed_equal_unsplit(dtype, mode_name, graph_mode):
+    """Over the link only: without peers every row is a rank's own and the mode changes nothing."""
+    _check_split_mode(dtype, mode_name, link=True, graph_mode=graph_mode)
+
+
+def _check_split_mode(dtype: str, mode_name: str, link: bool, graph_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> None:
     config, tol = CONFIGS[dtype]
     ep_group = HostLink(2, bandwidth_gbps=20.0) if link else None
     if link:
@@ -91,18 +113,22 @@ def test_joined_experts_eager_and_full_replay_equal_unsplit(dtype, mode_name, li
     graphed = GraphedModel(
         model,
         max_blocks_per_req=MAX_BLOCKS,
-        capture_sizes=[16],
+        capture_sizes=[16] if graph_mode == CUDAGraphMode.FULL else [32],
         ubatch_counts=(mode.num_ubatches,),
-        modes=(CUDAGraphMode.FULL,),
+        modes=(graph_mode,),
+        single_batch_overlap=mode.num_ubatches == 1,
     )
     wrapper = UBatchWrapper(model, num_ubatches=mode.num_ubatches, device=model.device)
     graphed.capture()
     rng = random.Random(mode_name)
     try:
-        for trial, (query_lens, context_lens) in enumerate(_decode_shapes(rng)):
+        shapes = _decode_shapes if graph_mode == CUDAGraphMode.FULL else _mixed_shapes
+        for trial, (query_lens, context_lens) in enumerate(shapes(rng)):
             step, _ = make_step(model, query_lens, context_lens, block_size=BLOCK, cache=cache, seed=trial)
             md = step.attn_metadata[model.layer_names[0]]
             apply_mode(model, mode)
+            uniform = 1 if graph_mode == CUDAGraphMode.FULL else None
+            assert graphed.plan(md.num_actual_tokens, md.num_reqs, uniform, num_ubatches=mode.num_ubatches)
             replayed = graphed.run(step.input_ids, step.positions, md, num_ubatches=mode.num_ubatches).clone()
             eager = _forward(wrapper, model, step, split_batch(query_lens, mode.num_ubatches)).clone()
             apply_mode(model, OverlapMode())

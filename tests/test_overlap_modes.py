@@ -1,7 +1,8 @@
 """Every overlap mode equals the plain unsplit step: single-batch overlap (one slice run as a
 ubatch), expert pipelining (``expert_chunks``), token splits, splits with joined expert stages,
-and their combinations, in one process and expert-parallel over two gloo ranks; and the shared
-experts run while the dispatch is in flight.
+own rows first, and their combinations, in one process, expert-parallel over two gloo ranks and
+over the link stand-in; the shared experts run while the dispatch is in flight, and so do the
+GEMMs of the rows a rank routes to its own experts.
 
 Tolerance: float32 on CPU, atol = rtol = 1e-5 (GEMMs over other row counts or expert groups may
 block their sums differently).
@@ -31,12 +32,14 @@ def _set_chunks(model, chunks: int) -> None:
         layer.expert_chunks = chunks
 
 
-def check_modes_equal_unsplit(model, seed: int, names: str) -> None:
+def check_modes_equal_unsplit(model, seed: int, names: str, rank: int = 0) -> None:
+    """Every mode of ``names`` against the unsplit step, on a batch drawn from ``seed``; over
+    several ranks every rank has the batch's shape (the same collectives) but its own tokens."""
     rng = random.Random(seed)
     n = rng.randint(3, 7)
     query_lens = [rng.choice([1, rng.randint(2, 9)]) for _ in range(n)]
     context_lens = [rng.choice([0, rng.randint(1, 15)]) for _ in range(n)]
-    step, cache = make_step(model, query_lens, context_lens, block_size=4, seed=seed)
+    step, cache = make_step(model, query_lens, context_lens, block_size=4, seed=100 * seed + rank)
     before = {name: cache[name].clone() for name in model.layer_names}
     apply_mode(model, OverlapMode())
     expected = _forward(model, model, step)
@@ -50,7 +53,10 @@ def check_modes_equal_unsplit(model, seed: int, names: str) -> None:
     apply_mode(model, OverlapMode())
 
 
-MODES = "overlap,pipeline2,pipeline4,split2,split2+pipeline2,split3+pipeline4,split2+join,split3+join+pipeline2"
+MODES = (
+    "overlap,pipeline2,pipeline4,split2,split2+pipeline2,split3+pipeline4,split2+join,split3+join+pipeline2,"
+    "split2+local"
+)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -63,7 +69,11 @@ def _modes_over_ep(rank: int, world: int) -> None:
     model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=dist.group.WORLD)
     for seed in range(2):
         check_modes_equal_unsplit(
-            model, seed, "overlap,pipeline2,pipeline4,split2+pipeline2,split3,split2+join,split3+join+pipeline4"
+            model,
+            seed,
+            "overlap,pipeline2,pipeline4,split2+pipeline2,split3,split2+join,split3+join+pipeline4,"
+            "local,split2+local,pipeline2+local,split3+join+pipeline2+local",
+            rank,
         )
 
 
@@ -109,5 +119,28 @@ def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size):
     link = HostLink(world_size, bandwidth_gbps=50.0)
     model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=link)
     assert next(iter(model.moe_layers.values())).num_local_experts == 8 // world_size
-    check_modes_equal_unsplit(model, 3, "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2")
+    check_modes_equal_unsplit(
+        model, 3, "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2,local,split2+local,split2+join+local"
+    )
     assert link.bytes_moved > 0
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 2.0])  # the counted dispatch and the static one
+def test_own_rows_run_before_the_dispatch_is_waited(monkeypatch, capacity_factor):
+    """Own rows first: the first expert GEMM of a layer takes this rank's rows to its own experts
+    before the dispatch is waited, the second the other ranks' rows; together every received row."""
+    link = HostLink(2, bandwidth_gbps=50.0)
+    model = build_model(ModelConfig(**CONFIG, capacity_factor=capacity_factor), device="cpu", ep_group=link)
+    apply_mode(model, OverlapMode.parse("local"))
+    layer = next(iter(model.moe_layers.values()))
+    events = []
+    experts, wait = type(layer)._experts, comm.CollectiveHandle.wait
+    monkeypatch.setattr(type(layer), "_experts", lambda self, x, *a: events.append(len(x)) or experts(self, x, *a))
+    monkeypatch.setattr(comm.CollectiveHandle, "wait", lambda self: events.append("wait") or wait(self))
+    step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
+    _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
+    own, waited, peers = events[:3]
+    assert waited == "wait" and own > 0 and peers > 0, events
+    received = 8 * 2 if capacity_factor is None else layer.capacity(8) * 2  # a world of two's rows
+    assert own + peers == received
+    apply_mode(model, OverlapMode())

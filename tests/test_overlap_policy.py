@@ -26,6 +26,8 @@ from ubatch.policy import ModePolicy
         ("split3+join+pipeline2", OverlapMode(num_ubatches=3, expert_chunks=2, join_experts=True)),
         ("overlap@green16", OverlapMode(single_batch=True, comm_sms=16)),
         ("split2+join+pipeline2@green8", OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True, comm_sms=8)),
+        ("local", OverlapMode(local_first=True)),
+        ("split2+join+local", OverlapMode(num_ubatches=2, join_experts=True, local_first=True)),
     ],
 )
 def test_modes_parse_and_name_themselves(text, mode):
@@ -248,3 +250,4 @@ def test_fuse_glue_is_off_unless_asked_for():
     assert parse_args(["--device", "cpu"]).fuse_glue is None
     assert parse_args(["--device", "cpu", "--fuse-glue"]).fuse_glue == "dynamic"
     assert parse_args(["--device", "cpu", "--fuse-glue", "static"]).fuse_glue == "static"
+

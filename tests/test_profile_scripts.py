@@ -180,6 +180,20 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
     assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
 
 
+def test_own_rows_first_by_hand_and_where_it_hides_prefill_dispatches():
+    """One layer, C = 4 (attention 2, experts 2), M = 2: attention 0-2, dispatch 2-3 beside the
+    own rows' half of the experts (2-3), the rest 3-4, combine 4-5."""
+    step_ms = schedule_bound.step_ms
+    assert step_ms(1, 1, 4.0, 2.0, 0.5, local_share=0.5) == pytest.approx(5.0)
+    assert step_ms(1, 1, 4.0, 2.0, 0.5, local_share=0.0) == pytest.approx(6.0)
+    # moe-bench's 4096-token prefill over the link stand-in (benchmarks/RESULTS.md): a dispatch
+    # hides only under the other ubatch's attention, unless the own rows run beside it
+    assert step_ms(2, 4, 26.07, 20.87, 0.2) == pytest.approx(31.94, abs=0.01)
+    assert step_ms(2, 4, 26.07, 20.87, 0.2, local_share=0.5) == pytest.approx(27.38, abs=0.01)
+    with pytest.raises(ValueError, match="local_share must be in"):
+        step_ms(2, 4, 26.07, 20.87, 0.2, local_share=1.5)
+
+
 def test_joined_schedule_by_hand_and_its_costs():
     """One layer, C = 4 (attention 2, experts 2), M = 2 (dispatch 1, combine 1), by hand."""
     joined = schedule_bound.joined_step_ms

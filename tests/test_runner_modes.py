@@ -158,3 +158,23 @@ def _ranks_with_different_policies(rank: int, world: int) -> None:
 
 def test_data_parallel_ranks_with_different_mode_policies_are_refused():
     run_distributed(_ranks_with_different_policies, 2)
+
+
+def _ranks_in_one_mode(rank: int, world: int, mode: str) -> None:
+    """Expert-parallel over two ranks in a mode whose effect needs peers (own rows first): each
+    rank generates what one process holding every request does."""
+    config = ModelConfig.preset("tiny-deepseek")
+    options = dict(RUNNER, max_num_batched_tokens=64)
+    reference_runner = ModelRunner(build_model(config, device="cpu"), config, **dict(options, num_kv_blocks=128))
+    prompts = [prompts_for(config, (20, 7), seed=0), prompts_for(config, (11,), seed=1)]
+    reference = reference_runner.generate(sum(prompts, []), 4)
+    model = build_model(config, device="cpu", ep_group=dist.group.WORLD)
+    runner = ModelRunner(model, config, dp_group=dist.group.WORLD, overlap_mode=mode, **options)
+    assert all(layer.local_first for layer in model.moe_layers.values())
+    first = sum(len(p) for p in prompts[:rank])
+    assert runner.generate(prompts[rank], 4) == reference[first : first + len(prompts[rank])]
+
+
+@pytest.mark.parametrize("mode", ["split2+local", "pipeline2+local"])
+def test_expert_parallel_ranks_serving_own_rows_first_equal_one_process(mode):
+    run_distributed(_ranks_in_one_mode, 2, mode)

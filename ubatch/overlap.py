@@ -15,6 +15,11 @@ A split can also keep the weights read once: with joined experts (``join``) each
 own attention and dispatch, so one ubatch's attention hides another's transfer, but the expert
 GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``).
 
+Own rows first (``local``): the rows a rank routes to its own experts need no transfer, so their
+GEMMs run from the send buffer while the dispatch is in flight, the other ranks' rows after it
+lands (``MoEFFN.local_first``; half the rows with two ranks). It splits each expert GEMM in two,
+so the weights are read twice: it pays where the GEMMs are compute-bound (prefill).
+
 Modes combine: ``OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True)`` splits the
 tokens, joins their expert stages and pipelines it over two expert groups. Any mode that runs as
 ubatches may also partition the SMs: ``comm_sms=K`` (``@greenK`` in its name) gives the comm
@@ -34,15 +39,17 @@ MAX_EXPERT_CHUNKS = 8
 @dataclass(frozen=True)
 class OverlapMode:
     """One way to run a step: ``num_ubatches`` token slices, ``expert_chunks`` expert groups,
-    whether the slices' expert stages are joined (``join_experts``), whether an unsplit step
-    still runs as a ubatch (``single_batch``; implied by the others), and the comm stream's
-    green SM partition (``comm_sms``; None: no partition)."""
+    whether the slices' expert stages are joined (``join_experts``), whether the rows a rank
+    routes to its own experts run before the dispatch lands (``local_first``), whether an
+    unsplit step still runs as a ubatch (``single_batch``; implied by the others), and the comm
+    stream's green SM partition (``comm_sms``; None: no partition)."""
 
     num_ubatches: int = 1
     expert_chunks: int = 1
     join_experts: bool = False
     single_batch: bool = False
     comm_sms: int | None = None
+    local_first: bool = False
 
     def __post_init__(self) -> None:
         for name, value, top in (
@@ -53,7 +60,7 @@ class OverlapMode:
                 raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
         if self.join_experts and self.num_ubatches < 2:
             raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
-        if self.num_ubatches > 1 or self.expert_chunks > 1:
+        if self.num_ubatches > 1 or self.expert_chunks > 1 or self.local_first:
             object.__setattr__(self, "single_batch", True)
         if self.comm_sms is not None:
             if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 1:
@@ -67,11 +74,12 @@ class OverlapMode:
     @property
     def name(self) -> str:
         partition = "" if self.comm_sms is None else f"@green{self.comm_sms}"
-        if self.num_ubatches == 1 and self.expert_chunks == 1:
+        if self.num_ubatches == 1 and self.expert_chunks == 1 and not self.local_first:
             return ("overlap" if self.single_batch else "unsplit") + partition
         parts = [f"split{self.num_ubatches}"] if self.num_ubatches > 1 else []
         parts += ["join"] if self.join_experts else []
         parts += [f"pipeline{self.expert_chunks}"] if self.expert_chunks > 1 else []
+        parts += ["local"] if self.local_first else []
         return "+".join(parts) + partition
 
     @property
@@ -82,8 +90,9 @@ class OverlapMode:
     @classmethod
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
-        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); any but ``unsplit`` may end
-        in ``@greenK``, a green SM partition with K SMs for communication."""
+        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``local`` alone or ``+local``
+        after any of these but ``unsplit`` and ``overlap`` (own rows first); any but ``unsplit``
+        may end in ``@greenK``, a green SM partition with K SMs for communication."""
         values: dict[str, Any] = {}
         text, at, partition = text.partition("@")
         if at:
@@ -99,13 +108,14 @@ class OverlapMode:
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
             digits = part[len(prefix) :]
-            if part == "join" and "join_experts" not in values:
-                values["join_experts"] = True
+            flag = {"join": "join_experts", "local": "local_first"}.get(part)
+            if flag is not None and flag not in values:
+                values[flag] = True
                 continue
             if prefix not in fields or not digits or fields[prefix] in values:
                 raise ValueError(
                     f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK, "
-                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally @greenK"
+                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally +local and @greenK"
                 )
             values[fields[prefix]] = int(digits)
         return cls(**values)
@@ -126,23 +136,24 @@ def moe_layers(model: Any) -> Iterator[Any]:
 
 
 def apply_mode(model: Any, mode: OverlapMode) -> None:
-    """Set every MoE layer of ``model`` to ``mode``'s expert groups and joining (the unsplit
+    """Set every MoE layer of ``model`` to ``mode``'s expert groups, joining and own-rows-first (the unsplit
     mode resets them); the token split itself is the forward context's ``ubatch_slices``."""
     layers = list(moe_layers(model))
-    if (mode.expert_chunks > 1 or mode.join_experts) and not layers:
+    if (mode.expert_chunks > 1 or mode.join_experts or mode.local_first) and not layers:
         raise ValueError(f"mode {mode.name} needs a MoE model; this one has no MoE layers")
     for layer in layers:
         layer.expert_chunks = mode.expert_chunks
         layer.join_ubatches = mode.join_experts
+        layer.local_first = mode.local_first
 
 
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
-    """The modes this model can run: joined experts need MoE layers, and expert chunks must
+    """The modes this model can run: joined experts and own rows first need MoE layers, and expert chunks must
     divide every MoE layer's local experts."""
     layers = list(moe_layers(model))
     return [
         m
         for m in modes
-        if (layers or (m.expert_chunks == 1 and not m.join_experts))
+        if (layers or (m.expert_chunks == 1 and not m.join_experts and not m.local_first))
         and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers)
     ]

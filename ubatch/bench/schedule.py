@@ -23,22 +23,34 @@ DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collect
 
 
 def step_ms(
-    num_ubatches: int, layers: int, compute_ms: float, comm_ms: float, attention_share: float, comm_stretch: float = 1.0
+    num_ubatches: int,
+    layers: int,
+    compute_ms: float,
+    comm_ms: float,
+    attention_share: float,
+    comm_stretch: float = 1.0,
+    local_share: float = 0.0,
 ) -> float:
     """Makespan of one step in ``num_ubatches`` ubatches under the model above; with more than one
-    ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``."""
+    ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``. ``local_share``:
+    the share of each ubatch's expert work that may start before its dispatch lands (own rows
+    first, ``+local``: 1/W of the rows with W ranks); the second GEMM call it costs is not modelled."""
+    if not 0 <= local_share <= 1:
+        raise ValueError(f"local_share must be in [0, 1], got {local_share}")
     attention = compute_ms * attention_share / layers / num_ubatches
     experts = compute_ms * (1 - attention_share) / layers / num_ubatches
+    own = experts * local_share
     stretch = comm_stretch if num_ubatches > 1 else 1.0
     collective = stretch * comm_ms / 2 / layers / num_ubatches  # both collectives carry the same rows
     compute_free = comm_free = 0.0
     ready = [0.0] * num_ubatches  # when each ubatch's last collective delivered its result
     for _ in range(layers):
-        for work in (attention, experts):
+        for work, beside in ((attention, own), (experts - own, 0.0)):
             for u in range(num_ubatches):
                 compute_free = max(compute_free, ready[u]) + work
                 comm_free = max(comm_free, compute_free) + collective
                 ready[u] = comm_free
+                compute_free += beside  # own rows' GEMMs, issued right after the dispatch starts
     return max(compute_free, *ready)
 
 

@@ -70,6 +70,10 @@ class _Dispatched:
     back_groups: list[slice]
     dispatches: list[comm.CollectiveHandle | None]
     splits: list[tuple[list[int], list[int]]] | None = None
+    # Per expert group, this rank's rows to its own experts: where they sit in the send buffer
+    # and within the group's received rows (the all-to-all hands them over unchanged).
+    own_sent: list[slice] = field(default_factory=list)
+    own_received: list[slice] = field(default_factory=list)
     # The dispatch's send buffer and the combines' inputs, held until the layer's combines are
     # waited: freed while a transfer still reads them, their blocks could go to new work on the
     # stream that made them (another ubatch's shared experts, the next expert group).
@@ -118,6 +122,7 @@ class MoEFFN(nn.Module):
         check_divisible("num_experts", config.num_experts, world, "expert-parallel")
         self.name = f"layers.{layer_idx}.moe"
         self.ep_group = ep_group
+        self.ep_rank = rank
         self.ep_world = world
         self.top_k = config.top_k
         self.capacity_factor = config.capacity_factor
@@ -166,6 +171,7 @@ class MoEFFN(nn.Module):
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.expert_chunks = 1
         self.join_ubatches = False
+        self.local_first = False
         self.expert_capacity_factor: float | None = None
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
 
@@ -239,7 +245,9 @@ class MoEFFN(nn.Module):
         dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
         back = x.new_empty(trash + 1, hidden)
         back[trash].zero_()
-        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, send=send)
+        own = [slice((g * world + self.ep_rank) * cap, (g * world + self.ep_rank + 1) * cap) for g in range(k)]
+        within = [slice(self.ep_rank * cap, (self.ep_rank + 1) * cap)] * k
+        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, None, own, within, send)
 
     def _dispatch_counted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
         """Only the real rows: every rank's count per (group, destination) exchanged first (a
@@ -264,28 +272,61 @@ class MoEFFN(nn.Module):
             for r, b, split in zip(recv_groups, back_groups, splits)
         ]
         back = x.new_empty(send.shape[0], hidden)
-        return slot, _Dispatched(num_tokens, recv, back, recv_groups, back_groups, dispatches, splits, send)
+        r = self.ep_rank
+        own = [slice(send_at[g] + sum(sent_rows[g][:r]), send_at[g] + sum(sent_rows[g][: r + 1])) for g in range(k)]
+        within = [slice(sum(received_rows[g][:r]), sum(received_rows[g][: r + 1])) for g in range(k)]
+        return slot, _Dispatched(
+            num_tokens, recv, back, recv_groups, back_groups, dispatches, splits, own, within, send
+        )
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
         the ubatches' expert stages are joined, so the weights are read once for all of them),
-        then that group's combine of every part; the combines' handles, per part."""
+        then that group's combine of every part; the combines' handles, per part. With
+        ``local_first`` the rows a rank routed to its own experts go first, from the send buffer,
+        while the group's dispatch is still in flight."""
         combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
-        hidden = parts[0].back.shape[1]
         num_tokens = sum(part.num_tokens for part in parts)
         for g in range(self.expert_chunks):
-            for part in parts:
-                _wait(part.dispatches[g])
-            rows = [part.recv[part.recv_groups[g]] for part in parts]
-            joined = rows[0] if len(rows) == 1 else torch.cat(rows)
-            expert_out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
-            outputs = expert_out.split([len(r) for r in rows])
+            outputs = self._local_first_group(parts, g, num_tokens) if self.local_first else None
+            if outputs is None:
+                for part in parts:
+                    _wait(part.dispatches[g])
+                outputs = self._run_rows([part.recv[part.recv_groups[g]] for part in parts], g, num_tokens)
             for part, out, handles in zip(parts, outputs, combines):
                 part.combine_inputs.append(out)
                 # the combine's splits are the dispatch's, reversed
                 splits = None if part.splits is None else part.splits[g][::-1]
                 handles.append(_start_all_to_all(part.back[part.back_groups[g]], out, self.ep_group, splits))
         return combines
+
+    def _local_first_group(self, parts: list[_Dispatched], g: int, num_tokens: int) -> list[torch.Tensor] | None:
+        """Group ``g``'s expert outputs per part, in received order: the own rows' GEMMs before
+        the dispatch is waited, the other ranks' rows' after. None where one rank has no peers."""
+        if self.ep_world == 1:
+            return None
+        own = self._run_rows([part.send[part.own_sent[g]] for part in parts], g, num_tokens)
+        for part in parts:
+            _wait(part.dispatches[g])
+        received = [part.recv[part.recv_groups[g]] for part in parts]
+        peers = [
+            torch.cat([rows[: part.own_received[g].start], rows[part.own_received[g].stop :]])
+            for part, rows in zip(parts, received)
+        ]
+        others = self._run_rows(peers, g, num_tokens)
+        outputs = []
+        for part, mine, theirs in zip(parts, own, others):
+            cut = part.own_received[g].start
+            outputs.append(torch.cat([theirs[:cut], mine, theirs[cut:]]))
+        return outputs
+
+    def _run_rows(self, rows: list[torch.Tensor], g: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """Expert group ``g`` over every part's rows (hidden columns, then the expert id) in one
+        call; the outputs split back per part."""
+        hidden = self.w2.shape[1]
+        joined = rows[0] if len(rows) == 1 else torch.cat(rows)
+        expert_out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
+        return expert_out.split([len(r) for r in rows])
 
     def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int, num_tokens: int) -> torch.Tensor:
         """Each row through its local expert (SwiGLU), for the rows of expert group ``group``
