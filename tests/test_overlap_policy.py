@@ -3,7 +3,10 @@
 import json
 
 import pytest
+import torch.distributed as dist
 
+from tests.dist_utils import run_distributed
+from ubatch.bench.calibration import calibrated_mode_policy
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
 from ubatch.bench.modes import Timing, auto_point, mode_partition, mode_rows, sweep_modes
@@ -251,3 +254,44 @@ def test_fuse_glue_is_off_unless_asked_for():
     assert parse_args(["--device", "cpu", "--fuse-glue"]).fuse_glue == "dynamic"
     assert parse_args(["--device", "cpu", "--fuse-glue", "static"]).fuse_glue == "static"
 
+
+def test_a_calibrated_mode_policy_times_every_mode_at_every_size_and_gives_the_kv_caches_back():
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    make_step(model, [4])  # binds a KV cache, as a runner would
+    before = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
+    policy = calibrated_mode_policy(model, "pipeline2,split2+join", sizes=(4, 8), context_len=5, warmup=0, repeats=1)
+    assert all(layer.kv_cache is before[name] for name, layer in model.attention_layers.items())
+    assert list(policy.timings_ms) == ["unsplit", "pipeline2", "split2+join"]
+    assert all(set(t) == {4, 8} and min(t.values()) > 0 for t in policy.timings_ms.values())
+    assert policy.decide(6) in policy.timings_ms
+    prefill = calibrated_mode_policy(
+        model, [OverlapMode.parse("split2")], sizes=(10,), workload="prefill", prompt_len=4, warmup=0, repeats=1
+    )
+    assert list(prefill.timings_ms) == ["unsplit", "split2"]
+
+
+def test_a_calibrated_mode_policy_refuses_what_it_cannot_time():
+    dense = build_model(ModelConfig.preset("tiny"), device="cpu")
+    for kwargs, match in [
+        (dict(modes="pipeline2"), "cannot run mode.s. pipeline2"),
+        (dict(modes="split2", workload="train"), "workload must be one of decode, prefill, got 'train'"),
+        (dict(modes="split2", sizes=()), "sizes must be token counts >= 1"),
+        (dict(modes="split2", sizes=(4, 0)), "sizes must be token counts >= 1"),
+        (dict(modes="split2", prompt_len=0), "prompt_len >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            calibrated_mode_policy(dense, **kwargs)
+
+
+def _calibrate_on_every_rank(rank: int, world: int) -> None:
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu", ep_group=dist.group.WORLD)
+    policy = calibrated_mode_policy(
+        model, "pipeline2,split2", sizes=(4, 8), warmup=0, repeats=2, seed=rank, group=dist.group.WORLD
+    )
+    every = [None] * world
+    dist.all_gather_object(every, policy.timings_ms)
+    assert every[0] == every[1], "each mode's time is the slowest rank's, so the ranks hold one policy"
+
+
+def test_expert_parallel_ranks_calibrate_one_mode_policy():
+    run_distributed(_calibrate_on_every_rank, 2)

@@ -1,15 +1,25 @@
-"""A split policy calibrated on the model itself, for a serving runner
-(``ModelRunner(split_policy=calibrated_policy(model))``): the calibration ``ubatch-bench --policy
-auto`` runs, on synthetic prefill steps of the given sizes, unsplit and in two ubatches."""
+"""Policies calibrated on the model itself, for a serving runner: a split policy
+(``ModelRunner(split_policy=calibrated_policy(model))``, the calibration ``ubatch-bench --policy
+auto`` runs on synthetic prefill steps, unsplit and in two ubatches), and a policy over overlap
+modes (``ModelRunner(overlap_mode=calibrated_mode_policy(model, "pipeline2,split2"))``, every
+mode timed at a few sizes, as ``ubatch-bench --modes`` times them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from ubatch.bench.measure import measure
-from ubatch.bench.workload import make_step
-from ubatch.policy import SplitPolicy, calibrate_from_samples
+from ubatch.bench.modes import sweep_modes
+from ubatch.bench.workload import Step, make_step
+from ubatch.context import CUDAGraphMode
+from ubatch.overlap import OverlapMode, parse_modes, supported
+from ubatch.policy import ModePolicy, SplitPolicy, calibrate_from_samples
+
+WORKLOADS = ("decode", "prefill")
 
 
 def calibrated_policy(
@@ -40,8 +50,7 @@ def calibrated_policy(
     try:
         samples = {}
         for tokens in sorted(set(sizes)):
-            full, rest = divmod(tokens, prompt_len)
-            step, _ = make_step(model, [prompt_len] * full + ([rest] if rest else []), seed=seed)
+            step = _synthetic_step(model, "prefill", tokens, 0, prompt_len, seed)
             samples[tokens] = measure(
                 model, step, 2, warmup=warmup, repeats=repeats, sm_partition=sm_partition
             ).calibration_sample()
@@ -50,3 +59,70 @@ def calibrated_policy(
             layer.kv_cache = bound[name]
     costs = calibrate_from_samples(samples, stages=2 * model.config.num_layers)
     return SplitPolicy(costs, candidates=(1, num_ubatches))
+
+
+def calibrated_mode_policy(
+    model: Any,
+    modes: str | Sequence[OverlapMode],
+    *,
+    sizes: Sequence[int] = (256, 1024),
+    workload: str = "decode",
+    context_len: int = 512,
+    prompt_len: int = 512,
+    graph_mode: CUDAGraphMode | None = None,
+    warmup: int = 3,
+    repeats: int = 10,
+    seed: int = 0,
+    group: Any = None,
+    min_gain: float = 1.01,
+) -> ModePolicy:
+    """Time every mode of ``modes`` (names, comma-separated, or ``OverlapMode`` s; unsplit is
+    always one) on synthetic ``workload`` steps of each of ``sizes`` tokens, eagerly or replayed
+    from ``graph_mode`` graphs (the mode a runner serves them in: FULL for decode, PIECEWISE for
+    prefill), and fit the ``ModePolicy`` that picks among them per step.
+
+    With expert parallelism the steps run collectives: call it on every rank at the same point,
+    each with a ``seed`` of its own, and give ``group`` (a process group over CPU tensors, such as
+    the runner's gloo ``dp_group``): every mode's time is then the slowest rank's, so every rank
+    holds the same policy and picks alike, as the runner needs. It borrows the attention layers
+    for its own KV cache and gives them back the caches they had."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if not sizes or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes):
+        raise ValueError(f"sizes must be token counts >= 1, got {list(sizes)}")
+    if context_len < 0 or prompt_len < 1:
+        raise ValueError(f"context_len must be >= 0 and prompt_len >= 1, got {context_len} and {prompt_len}")
+    wanted = parse_modes(modes) if isinstance(modes, str) else list(dict.fromkeys([OverlapMode(), *modes]))
+    runnable = supported(model, wanted)
+    if len(runnable) < len(wanted):
+        refused = [m.name for m in wanted if m not in runnable]
+        raise ValueError(
+            f"this model cannot run mode(s) {', '.join(refused)} "
+            f"(no MoE layers, or expert groups that do not divide its experts)"
+        )
+    bound = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
+    timings: dict[str, dict[int, float]] = {mode.name: {} for mode in wanted}
+    try:
+        for tokens in sorted(set(sizes)):
+            step = _synthetic_step(model, workload, tokens, context_len, prompt_len, seed)
+            sweep = sweep_modes(model, step, wanted, graph_mode=graph_mode, warmup=warmup, repeats=repeats)
+            for mode in wanted:
+                timings[mode.name][tokens] = sweep["timings"][mode.name].median_ms
+    finally:
+        for name, layer in model.attention_layers.items():
+            layer.kv_cache = bound[name]
+    if group is not None and dist.get_world_size(group) > 1:
+        table = torch.tensor([[timings[m.name][t] for t in sorted(set(sizes))] for m in wanted], dtype=torch.float64)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+        for mode, row in zip(wanted, table.tolist()):
+            timings[mode.name] = dict(zip(sorted(set(sizes)), row))
+    return ModePolicy(timings, min_gain=min_gain)
+
+
+def _synthetic_step(model: Any, workload: str, tokens: int, context_len: int, prompt_len: int, seed: int) -> Step:
+    """``tokens`` decode requests of ``context_len`` cached tokens each, or prompts of
+    ``prompt_len`` (the last one shorter) with nothing cached."""
+    if workload == "decode":
+        return make_step(model, [1] * tokens, [context_len] * tokens, seed=seed)[0]
+    full, rest = divmod(tokens, prompt_len)
+    return make_step(model, [prompt_len] * full + ([rest] if rest else []), seed=seed)[0]
