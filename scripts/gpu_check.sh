@@ -27,7 +27,7 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
 
-parts=${GPU_CHECK_PARTS:-tests link modes modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
@@ -111,6 +111,11 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   run1 180 $decode $decode_modes --preset deepseek-bench --link host:33 --capacity-factor measured \
     --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
   run1 150 $prefill --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
+fi
+if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-reduces against a split
+  run1 150 -m ubatch.bench --graphs --layers 4 --model dense --preset dense-bench --workload prefill --prompt-len 512 \
+    --tokens 4096 --modes overlap,allreduce2,allreduce4,split2,split2+allreduce2 --link host \
+    --out "$OUT/modes_dense_prefill_link.json" | tail -10
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"

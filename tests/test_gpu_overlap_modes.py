@@ -1,8 +1,8 @@
 """Overlap modes on the GPU: single-batch overlap and expert pipelining replayed from FULL and
 PIECEWISE graphs equal the plain eager step, float32 (masked experts) and bf16 (grouped GEMM);
 splits with joined expert stages, eager and replayed from FULL graphs, over no link and over the
-link stand-in (whose transfers really run on the copy engines), and own rows first over the link,
-equal the unsplit eager step.
+link stand-in (whose transfers really run on the copy engines), own rows first over the link,
+and a tensor-parallel dense model's chunked all-reduces over the link, equal the unsplit eager step.
 
 Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
 grouped GEMM's row blocking).
@@ -101,12 +101,32 @@ def test_own_rows_first_eager_and_replayed_equal_unsplit(dtype, mode_name, graph
     _check_split_mode(dtype, mode_name, link=True, graph_mode=graph_mode)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "mode_name, graph_mode",
+    [
+        ("allreduce2", CUDAGraphMode.FULL),
+        ("split2+allreduce2", CUDAGraphMode.FULL),
+        ("allreduce4", CUDAGraphMode.PIECEWISE),
+    ],
+)
+def test_chunked_all_reduce_over_the_link_eager_and_replayed_equal_unsplit(mode_name, graph_mode):
+    link = HostLink(2, bandwidth_gbps=20.0)
+    link.prepare("cuda")
+    model = build_model(ModelConfig.preset("small", dtype=torch.float32), device="cuda", tp_group=link)
+    _check_mode(model, CONFIGS["float32"][1], mode_name, graph_mode)
+
+
 def _check_split_mode(dtype: str, mode_name: str, link: bool, graph_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> None:
     config, tol = CONFIGS[dtype]
     ep_group = HostLink(2, bandwidth_gbps=20.0) if link else None
     if link:
         ep_group.prepare("cuda")
-    model = build_model(ModelConfig(**config), device="cuda", ep_group=ep_group)
+    _check_mode(build_model(ModelConfig(**config), device="cuda", ep_group=ep_group), tol, mode_name, graph_mode)
+
+
+def _check_mode(model, tol: dict, mode_name: str, graph_mode: CUDAGraphMode) -> None:
+    """``mode_name`` eager and replayed from ``graph_mode`` graphs equals the unsplit eager step."""
     mode = OverlapMode.parse(mode_name)
     _, cache = make_step(model, [1] * 64, [BLOCK * MAX_BLOCKS - 1] * 64, block_size=BLOCK)
     apply_mode(model, mode)

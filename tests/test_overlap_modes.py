@@ -20,7 +20,7 @@ from ubatch import comm, split_batch
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
-from ubatch.overlap import OverlapMode, apply_mode
+from ubatch.overlap import OverlapMode, apply_mode, supported
 from ubatch.wrapper import UBatchWrapper
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -144,3 +144,46 @@ def test_own_rows_run_before_the_dispatch_is_waited(monkeypatch, capacity_factor
     received = 8 * 2 if capacity_factor is None else layer.capacity(8) * 2  # a world of two's rows
     assert own + peers == received
     apply_mode(model, OverlapMode())
+
+
+TP_MODES = "allreduce2,allreduce4,split2+allreduce2,split3+allreduce3"
+
+
+def _tp_modes(rank: int, world: int) -> None:
+    model = build_model(ModelConfig.preset("tiny"), device="cpu", tp_group=dist.group.WORLD)
+    for seed in range(2):
+        check_modes_equal_unsplit(model, seed, TP_MODES)  # tensor-parallel ranks run one batch
+
+
+def test_chunked_all_reduce_modes_equal_unsplit_tensor_parallel():
+    run_distributed(_tp_modes, world_size=2)
+
+
+def test_chunked_all_reduce_modes_equal_unsplit_over_the_link_stand_in():
+    link = HostLink(2, bandwidth_gbps=50.0)
+    model = build_model(ModelConfig.preset("tiny"), device="cpu", tp_group=link)
+    check_modes_equal_unsplit(model, 1, TP_MODES)
+    assert link.bytes_moved > 0
+
+
+def test_every_chunk_of_a_row_parallel_all_reduce_starts_before_the_first_is_waited(monkeypatch):
+    """allreduce2: per projection, both chunks' GEMMs and all-reduces are issued before the
+    first wait, so the second chunk's GEMM runs while the first chunk's all-reduce is in flight."""
+    model = build_model(ModelConfig.preset("tiny"), device="cpu", tp_group=HostLink(2, bandwidth_gbps=50.0))
+    apply_mode(model, OverlapMode.parse("allreduce2"))
+    events = []
+    start, wait = comm.all_reduce, comm.CollectiveHandle.wait
+    monkeypatch.setattr(comm, "all_reduce", lambda *a, **k: events.append("start") or start(*a, **k))
+    monkeypatch.setattr(comm.CollectiveHandle, "wait", lambda self: events.append("wait") or wait(self))
+    step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
+    _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
+    per_layer = ["start", "start", "wait", "wait"] * 2  # the attention's output projection, the MLP's down
+    assert events == per_layer * model.config.num_layers, events
+    apply_mode(model, OverlapMode())
+
+
+def test_chunked_all_reduce_needs_a_tensor_parallel_model():
+    model = build_model(ModelConfig(**CONFIG), device="cpu")
+    with pytest.raises(ValueError, match="mode allreduce2 needs a tensor-parallel model"):
+        apply_mode(model, OverlapMode.parse("allreduce2"))
+    assert supported(model, [OverlapMode(), OverlapMode.parse("allreduce2")]) == [OverlapMode()]

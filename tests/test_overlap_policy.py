@@ -31,6 +31,8 @@ from ubatch.policy import ModePolicy
         ("split2+join+pipeline2@green8", OverlapMode(num_ubatches=2, expert_chunks=2, join_experts=True, comm_sms=8)),
         ("local", OverlapMode(local_first=True)),
         ("split2+join+local", OverlapMode(num_ubatches=2, join_experts=True, local_first=True)),
+        ("allreduce2", OverlapMode(all_reduce_chunks=2)),
+        ("split2+allreduce4@green16", OverlapMode(num_ubatches=2, all_reduce_chunks=4, comm_sms=16)),
     ],
 )
 def test_modes_parse_and_name_themselves(text, mode):

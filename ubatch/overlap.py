@@ -15,6 +15,10 @@ A split can also keep the weights read once: with joined experts (``join``) each
 own attention and dispatch, so one ubatch's attention hides another's transfer, but the expert
 GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``).
 
+Chunked all-reduce (``allreduceK``), for tensor parallelism: each row-parallel projection (the
+attention's output projection, the MLP's down projection) runs in K chunks of rows, and each
+chunk's all-reduce is in flight while the next chunk's GEMM runs (``ubatch.models.layers.row_parallel``).
+
 Own rows first (``local``): the rows a rank routes to its own experts need no transfer, so their
 GEMMs run from the send buffer while the dispatch is in flight, the other ranks' rows after it
 lands (``MoEFFN.local_first``; half the rows with two ranks). It splits each expert GEMM in two,
@@ -34,15 +38,17 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_EXPERT_CHUNKS = 8
+MAX_ALL_REDUCE_CHUNKS = 8
 
 
 @dataclass(frozen=True)
 class OverlapMode:
     """One way to run a step: ``num_ubatches`` token slices, ``expert_chunks`` expert groups,
     whether the slices' expert stages are joined (``join_experts``), whether the rows a rank
-    routes to its own experts run before the dispatch lands (``local_first``), whether an
-    unsplit step still runs as a ubatch (``single_batch``; implied by the others), and the comm
-    stream's green SM partition (``comm_sms``; None: no partition)."""
+    routes to its own experts run before the dispatch lands (``local_first``), the chunks of
+    each tensor-parallel all-reduce (``all_reduce_chunks``), whether an unsplit step still runs
+    as a ubatch (``single_batch``; implied by the others), and the comm stream's green SM
+    partition (``comm_sms``; None: no partition)."""
 
     num_ubatches: int = 1
     expert_chunks: int = 1
@@ -50,17 +56,19 @@ class OverlapMode:
     single_batch: bool = False
     comm_sms: int | None = None
     local_first: bool = False
+    all_reduce_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name, value, top in (
             ("num_ubatches", self.num_ubatches, None),
             ("expert_chunks", self.expert_chunks, MAX_EXPERT_CHUNKS),
+            ("all_reduce_chunks", self.all_reduce_chunks, MAX_ALL_REDUCE_CHUNKS),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
                 raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
         if self.join_experts and self.num_ubatches < 2:
             raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
-        if self.num_ubatches > 1 or self.expert_chunks > 1 or self.local_first:
+        if self.num_ubatches > 1 or self.expert_chunks > 1 or self.local_first or self.all_reduce_chunks > 1:
             object.__setattr__(self, "single_batch", True)
         if self.comm_sms is not None:
             if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 1:
@@ -74,12 +82,13 @@ class OverlapMode:
     @property
     def name(self) -> str:
         partition = "" if self.comm_sms is None else f"@green{self.comm_sms}"
-        if self.num_ubatches == 1 and self.expert_chunks == 1 and not self.local_first:
+        if self.num_ubatches == 1 and self.expert_chunks == 1 and not self.local_first and self.all_reduce_chunks == 1:
             return ("overlap" if self.single_batch else "unsplit") + partition
         parts = [f"split{self.num_ubatches}"] if self.num_ubatches > 1 else []
         parts += ["join"] if self.join_experts else []
         parts += [f"pipeline{self.expert_chunks}"] if self.expert_chunks > 1 else []
         parts += ["local"] if self.local_first else []
+        parts += [f"allreduce{self.all_reduce_chunks}"] if self.all_reduce_chunks > 1 else []
         return "+".join(parts) + partition
 
     @property
@@ -91,7 +100,8 @@ class OverlapMode:
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
         with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``local`` alone or ``+local``
-        after any of these but ``unsplit`` and ``overlap`` (own rows first); any but ``unsplit``
+        after any of these but ``unsplit`` and ``overlap`` (own rows first), and ``allreduceK``
+        the same way (chunked tensor-parallel all-reduces); any but ``unsplit``
         may end in ``@greenK``, a green SM partition with K SMs for communication."""
         values: dict[str, Any] = {}
         text, at, partition = text.partition("@")
@@ -104,7 +114,7 @@ class OverlapMode:
             values["comm_sms"] = int(digits)
         if text in ("unsplit", "overlap"):
             return cls(single_batch=text == "overlap", **values)
-        fields = {"split": "num_ubatches", "pipeline": "expert_chunks"}
+        fields = {"split": "num_ubatches", "pipeline": "expert_chunks", "allreduce": "all_reduce_chunks"}
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
             digits = part[len(prefix) :]
@@ -115,7 +125,8 @@ class OverlapMode:
             if prefix not in fields or not digits or fields[prefix] in values:
                 raise ValueError(
                     f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK, "
-                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally +local and @greenK"
+                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally +local, +allreduceK "
+                    f"and @greenK"
                 )
             values[fields[prefix]] = int(digits)
         return cls(**values)
@@ -136,24 +147,40 @@ def moe_layers(model: Any) -> Iterator[Any]:
 
 
 def apply_mode(model: Any, mode: OverlapMode) -> None:
-    """Set every MoE layer of ``model`` to ``mode``'s expert groups, joining and own-rows-first (the unsplit
-    mode resets them); the token split itself is the forward context's ``ubatch_slices``."""
+    """Set every MoE layer of ``model`` to ``mode``'s expert groups, joining and own rows first,
+    and every tensor-parallel projection to its all-reduce chunks (the unsplit mode resets them);
+    the token split itself is the forward context's ``ubatch_slices``."""
     layers = list(moe_layers(model))
     if (mode.expert_chunks > 1 or mode.join_experts or mode.local_first) and not layers:
         raise ValueError(f"mode {mode.name} needs a MoE model; this one has no MoE layers")
+    projections = list(tensor_parallel_projections(model))
+    if mode.all_reduce_chunks > 1 and not projections:
+        raise ValueError(f"mode {mode.name} needs a tensor-parallel model; this one has no tp_group")
     for layer in layers:
         layer.expert_chunks = mode.expert_chunks
         layer.join_ubatches = mode.join_experts
         layer.local_first = mode.local_first
+    for module in projections:
+        module.all_reduce_chunks = mode.all_reduce_chunks
+
+
+def tensor_parallel_projections(model: Any) -> Iterator[Any]:
+    """The model's modules whose row-parallel projection ends in an all-reduce over a
+    tensor-parallel group (none without one)."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    yield from (m for m in modules if hasattr(m, "all_reduce_chunks") and getattr(m, "tp_group", None) is not None)
 
 
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
-    """The modes this model can run: joined experts and own rows first need MoE layers, and expert chunks must
-    divide every MoE layer's local experts."""
+    """The modes this model can run: joined experts and own rows first need MoE layers, expert
+    chunks must divide every MoE layer's local experts, and chunked all-reduces need a
+    tensor-parallel model."""
     layers = list(moe_layers(model))
+    tensor_parallel = any(True for _ in tensor_parallel_projections(model))
     return [
         m
         for m in modes
         if (layers or (m.expert_chunks == 1 and not m.join_experts and not m.local_first))
         and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers)
+        and (tensor_parallel or m.all_reduce_chunks == 1)
     ]

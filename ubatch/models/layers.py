@@ -116,6 +116,29 @@ def rotate_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     return rotated.flatten(1).to(x.dtype)
 
 
+def row_parallel(x: torch.Tensor, weight: torch.Tensor, tp_group: Any, chunks: int = 1) -> torch.Tensor:
+    """``x @ weight.T`` summed over ``tp_group`` (a row-parallel projection). With ``chunks`` > 1
+    the rows go in that many chunks and each chunk's all-reduce starts as soon as its GEMM is
+    done, so it is in flight while the next chunk's GEMM runs (inside a ubatch: on the comm
+    stream); only the last chunk's all-reduce is left with nothing beside it."""
+    if tp_group is None:
+        return F.linear(x, weight)
+    if chunks == 1 or len(x) < chunks:
+        out = F.linear(x, weight)
+        comm.all_reduce(out, group=tp_group)
+        return out
+    out = x.new_empty(len(x), weight.shape[0])
+    bounds = [len(x) * c // chunks for c in range(chunks + 1)]
+    handles = []
+    for start, stop in zip(bounds, bounds[1:]):
+        part = slice(start, stop)
+        torch.mm(x[part], weight.t(), out=out[part])
+        handles.append(comm.all_reduce(out[part], group=tp_group, async_op=True))
+    for handle in handles:
+        handle.wait()
+    return out
+
+
 class SwiGLUMLP(nn.Module):
     """silu(x W_gate) * (x W_up) W_down; with ``tp_group``, gate/up are split by columns and
     down by rows, and the partial outputs are summed with an all-reduce."""
@@ -144,12 +167,10 @@ class SwiGLUMLP(nn.Module):
         down = weight("down", (hidden_size, intermediate_size), intermediate_size)
         self.gate_up = frozen(torch.cat([shard(gate, 0, rank, world), shard(up, 0, rank, world)]))
         self.down = frozen(shard(down, 1, rank, world))
+        self.all_reduce_chunks = 1  # the down projection's rows per all-reduce (``row_parallel``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(swiglu(F.linear(x, self.gate_up)), self.down)
-        if self.tp_group is not None:
-            comm.all_reduce(out, group=self.tp_group)
-        return out
+        return row_parallel(swiglu(F.linear(x, self.gate_up)), self.down, self.tp_group, self.all_reduce_chunks)
 
 
 class SelfAttention(nn.Module):
@@ -191,6 +212,7 @@ class SelfAttention(nn.Module):
         self.qkv = frozen(torch.cat([shard(w, 0, rank, world) for w in (q, k, v)]))
         self.o_proj = frozen(shard(o, 1, rank, world))
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.all_reduce_chunks = 1  # the output projection's rows per all-reduce (``row_parallel``)
         self.rotary = RotaryEmbedding(d, config.rope_theta, device=device)
         self.attn = Attention(
             self.num_heads,
@@ -205,7 +227,4 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         qk, v = F.linear(x, self.qkv).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        out = F.linear(self.attn(q, k, v), self.o_proj)
-        if self.tp_group is not None:
-            comm.all_reduce(out, group=self.tp_group)
-        return out
+        return row_parallel(self.attn(q, k, v), self.o_proj, self.tp_group, self.all_reduce_chunks)
