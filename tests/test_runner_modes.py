@@ -1,7 +1,8 @@
 """A ModelRunner serving in an overlap mode (``overlap_mode=``), or in the mode a ModePolicy picks
-per step, generates exactly what the plain model's naive greedy recompute does; data-parallel
-ranks pick the same mode every step; bad modes, and ranks given different modes or policies, are
-refused with the offending values named (CPU, float32)."""
+per step, generates exactly what the plain model's naive greedy recompute does, expert- and
+tensor-parallel ranks too; data-parallel ranks pick the same mode every step; bad modes, and
+ranks given different modes or policies, are refused with the offending values named (CPU,
+float32)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from tests.test_runner import naive_greedy, prompts_for
 from ubatch.models import ModelConfig, build_model
-from ubatch.overlap import OverlapMode
+from ubatch.overlap import OverlapMode, tensor_parallel_projections
 from ubatch.policy import ModePolicy
 from ubatch.runner import ModelRunner
 
@@ -178,3 +179,21 @@ def _ranks_in_one_mode(rank: int, world: int, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["split2+local", "pipeline2+local"])
 def test_expert_parallel_ranks_serving_own_rows_first_equal_one_process(mode):
     run_distributed(_ranks_in_one_mode, 2, mode)
+
+
+def _tensor_parallel_ranks_in_one_mode(rank: int, world: int, mode: str) -> None:
+    """Tensor-parallel over two ranks (one batch, each rank half the heads and MLP columns) in a
+    chunked all-reduce mode: both ranks generate what the unsharded model's greedy recompute does."""
+    config = ModelConfig.preset("tiny")
+    prompts = prompts_for(config, (13, 4, 9))
+    reference = [naive_greedy(build_model(config, device="cpu"), p, 4) for p in prompts]
+    model = build_model(config, device="cpu", tp_group=dist.group.WORLD)
+    runner = ModelRunner(model, config, overlap_mode=mode, **RUNNER)
+    chunks = OverlapMode.parse(mode).all_reduce_chunks
+    assert [m.all_reduce_chunks for m in tensor_parallel_projections(model)] == [chunks] * 2 * config.num_layers
+    assert runner.generate(prompts, 4) == reference
+
+
+@pytest.mark.parametrize("mode", ["allreduce2", "split2+allreduce2"])
+def test_tensor_parallel_ranks_serving_chunked_all_reduces_equal_recompute(mode):
+    run_distributed(_tensor_parallel_ranks_in_one_mode, 2, mode)
