@@ -99,10 +99,10 @@ class OverlapMode:
     @classmethod
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
-        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``local`` alone or ``+local``
-        after any of these but ``unsplit`` and ``overlap`` (own rows first), and ``allreduceK``
-        the same way (chunked tensor-parallel all-reduces); any but ``unsplit``
-        may end in ``@greenK``, a green SM partition with K SMs for communication."""
+        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``local`` (own rows first) and
+        ``allreduceK`` (chunked tensor-parallel all-reduces) alone or as ``+local`` /
+        ``+allreduceK`` after a split or a pipeline; any but ``unsplit`` may end in ``@greenK``, a
+        green SM partition with K SMs for communication."""
         values: dict[str, Any] = {}
         text, at, partition = text.partition("@")
         if at:
@@ -176,7 +176,7 @@ def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
     chunks must divide every MoE layer's local experts, and chunked all-reduces need a
     tensor-parallel model."""
     layers = list(moe_layers(model))
-    tensor_parallel = any(True for _ in tensor_parallel_projections(model))
+    tensor_parallel = next(tensor_parallel_projections(model), None) is not None
     return [
         m
         for m in modes
