@@ -81,11 +81,12 @@ def calibrated_mode_policy(
     from ``graph_mode`` graphs (the mode a runner serves them in: FULL for decode, PIECEWISE for
     prefill), and fit the ``ModePolicy`` that picks among them per step.
 
-    With expert parallelism the steps run collectives: call it on every rank at the same point,
-    each with a ``seed`` of its own, and give ``group`` (a process group over CPU tensors, such as
-    the runner's gloo ``dp_group``): every mode's time is then the slowest rank's, so every rank
-    holds the same policy and picks alike, as the runner needs. It borrows the attention layers
-    for its own KV cache and gives them back the caches they had."""
+    With expert or tensor parallelism the steps run collectives: call it on every rank at the same
+    point (expert-parallel ranks each with a ``seed`` of its own, tensor-parallel ones with one
+    seed) and give ``group`` (a process group over CPU tensors, such as the runner's gloo
+    ``dp_group``): every mode's time is then the slowest rank's, so every rank holds the same
+    policy and picks alike, as the runner needs. It borrows the attention layers for its own KV
+    cache and gives them back the caches they had."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     if not sizes or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes):
@@ -97,8 +98,8 @@ def calibrated_mode_policy(
     if len(runnable) < len(wanted):
         refused = [m.name for m in wanted if m not in runnable]
         raise ValueError(
-            f"this model cannot run mode(s) {', '.join(refused)} "
-            f"(no MoE layers, or expert groups that do not divide its experts)"
+            f"this model cannot run mode(s) {', '.join(refused)}: the MoE modes need MoE layers whose "
+            f"experts the groups divide, allreduceK a tensor-parallel model"
         )
     bound = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
     timings: dict[str, dict[int, float]] = {mode.name: {} for mode in wanted}
