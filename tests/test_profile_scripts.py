@@ -29,6 +29,7 @@ comm_waits = _load("comm_waits")
 schedule_bound = _load("schedule_bound")
 first_use_cost = _load("first_use_cost")
 replay_policy = _load("replay_policy")
+modes_table = _load("modes_table")
 
 
 def _trace():
@@ -346,3 +347,16 @@ def test_mode_kernels_summarises_a_replay_and_groups_families():
         "exposed_comm_ms": 0.09,
     }
     assert mode_kernels.families(kernels[:3]) == {"gemm": (2, 0.2), "add_kernel": (1, 0.01)}
+
+
+def test_modes_table_renders_a_committed_report_as_results_shows_it():
+    report = json.loads((ROOT / "benchmarks/h200/modes_deepseek_decode_link33_measured_capacity.json").read_text())
+    text = modes_table.render(report)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + len(report["results"]), "a header, its rule and one row per (tokens, mode)"
+    assert "| 256 | pipeline2 | 8.06 (8.01-8.16) | 1.14x |" in text
+    assert "capacity factors measured: 1.5 (dispatch), 2.2 (experts)" in text
+    assert "- auto at 256 tokens picks pipeline2 (8.06 ms), the measured best" in text
+    split_report = json.loads((ROOT / "benchmarks/h200x2/dense_tp_prefill_graphs_nvlink_green.json").read_text())
+    with pytest.raises(ValueError, match="not an overlap-modes report"):
+        modes_table.render(split_report)

@@ -206,9 +206,10 @@ def run_summary(report: dict[str, Any]) -> str:
     )
 
 
-def format_modes_table(results: Sequence[dict[str, Any]]) -> str:
+def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
-    unsplit step, its ideal and efficiency, the dropped share and the roofline."""
+    unsplit step, its ideal and efficiency, the dropped share and the roofline; aligned text, or
+    a markdown table (``markdown``, as benchmarks/RESULTS.md shows a report)."""
     columns = [
         ("tokens", lambda r: str(r["tokens_per_rank"])),
         ("mode", lambda r: r["mode"]),
@@ -229,6 +230,9 @@ def format_modes_table(results: Sequence[dict[str, Any]]) -> str:
         ),
     ]
     rows = [[cell(r) for _, cell in columns] for r in results]
+    if markdown:
+        lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + " - |" * len(columns)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
     widths = [max(len(head), *(len(row[i]) for row in rows)) for i, (head, _) in enumerate(columns)]
     lines = ["  ".join(head.rjust(w) for (head, _), w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
