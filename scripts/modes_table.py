@@ -18,9 +18,9 @@ from ubatch.bench.report import format_modes_table, modes_policy_sentence  # noq
 
 def render(report: dict) -> str:
     """The report's section body: when and where it ran, its link, the table, the picks."""
-    env, setup = report["environment"], report["setup"]
-    if "auto" not in report or not report["results"] or "mode" not in report["results"][0]:
+    if "auto" not in report or not report.get("results") or "mode" not in report["results"][0]:
         raise ValueError("not an overlap-modes report (ubatch-bench --modes)")
+    env, setup = report["environment"], report["setup"]
     where = f"{env['time']}, one {env.get('gpu', env['device'])}, torch {env['torch']}, attention {env['attention']}"
     link = setup.get("link")
     if link:
