@@ -8,6 +8,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+parts=${GPU_CHECK_PARTS:-tests link modes modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
+want() { [[ " $parts " == *" $1 "* ]]; }
+# flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
+# only .fa4a, so before anything needs .whl), the rest in the call right after
+if want flash_stage; then
+  cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa
+  [ "$parts" = flash_stage ] && exit 0
+fi
 if ! python3 -c "import greenlet" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
@@ -26,9 +34,6 @@ run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2
   | grep -vE "configurations:|OMP_NUM_THREADS|^\*+$|carveout for matmuls"; }
 slow() { NCCL_MAX_NCHANNELS=1 NCCL_P2P_DISABLE=1 "$@"; }
 run1() { timeout "$1" python3 "${@:2}" 2>&1 | grep -vE "configurations:|Capturing|UserWarning|_warn_once"; }
-
-parts=${GPU_CHECK_PARTS:-tests link modes modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
-want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi -L
 want tests && timeout 480 python3 -m pytest -q -m "cuda or multigpu" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
@@ -136,8 +141,6 @@ if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-gl
     --tokens 256,1024 --modes pipeline2,split2 --preset deepseek-bench --link host:33 \
     --out "$OUT/modes_deepseek_decode_link33_fused_static.json" | tail -12
 fi
-# flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage in one call, the rest right after
-want flash_stage && cp .fa4a/site.tar.xz.part-aa /tmp/ && ls -la /tmp/site.tar.xz.part-aa
 if want flash; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \
     tests/test_attention.py 2>&1 | tee "$OUT/gpu_flash_tests.log" | tail -8

@@ -3,7 +3,7 @@
 # (CuTe DSL; pure Python but for the DSL's compiler libraries) unpacked here, packed with xz and
 # cut in two, because one call to the machine carries at most 64 MiB and this is ~65 MB. Writes
 # .fa4a/ and .fa4b/ (ignored). On the machine, back to back (it must stay warm between them):
-#   GPU_CHECK_PARTS=flash_stage  (carry .fa4a)        copies the first piece to /tmp
+#   GPU_CHECK_PARTS=flash_stage  (carry .fa4a)        copies the first piece to /tmp, and stops
 #   GPU_CHECK_PARTS=flash        (carry .fa4b, .whl)  unpacks both, runs the flash-attn tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
