@@ -284,3 +284,43 @@ def test_capture_sizes_gain_the_multiples_each_tokens_per_request_count_needs():
     descs = make_descriptors(sizes_with_multiples([4, 8], [1, 3]), uniform_token_count=(1, 3))
     full = {(d.num_tokens, d.uniform_token_count) for d in descs if d.cg_mode == CUDAGraphMode.FULL}
     assert full == {(4, 1), (6, 1), (8, 1), (9, 1), (6, 3), (9, 3)}
+
+
+@pytest.mark.parametrize(
+    "preset, group_kind, mode_name, graph_mode",
+    [
+        ("tiny-moe", "ep_group", "split2+local", PIECEWISE),
+        ("tiny-moe", "ep_group", "pipeline2+local", PIECEWISE),
+        ("tiny-moe", "ep_group", "split2+join+pipeline2+local", FULL),
+        ("tiny", "tp_group", "allreduce2", PIECEWISE),
+        ("tiny", "tp_group", "split2+allreduce2", FULL),
+    ],
+)
+def test_own_rows_first_and_chunked_all_reduces_capture_over_the_link(
+    preset, group_kind, mode_name, graph_mode, caplog
+):
+    """Their captures take the static path and record every collective (on the CPU link, with the
+    fake backend, whose captures run eagerly): no descriptor falls back to eager."""
+    from ubatch.link import HostLink
+
+    link = HostLink(2, bandwidth_gbps=50.0)
+    model = build_model(ModelConfig.preset(preset), device="cpu", **{group_kind: link})
+    make_step(model, [1] * 8, [5] * 8)  # binds a KV cache
+    mode = OverlapMode.parse(mode_name)
+    apply_mode(model, mode)
+    graphed = GraphedModel(
+        model,
+        capture_sizes=[8],
+        max_blocks_per_req=4,
+        modes=(graph_mode,),
+        ubatch_counts=(mode.num_ubatches,),
+        single_batch_overlap=mode.num_ubatches == 1,
+        graph_backend=FakeBackend(),
+    )
+    before = link.bytes_moved
+    with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
+        graphed.capture()
+    assert "failed" not in caplog.text, caplog.text
+    assert graphed.descriptors and set(graphed.manager.graphs) == set(graphed.descriptors), "every descriptor captured"
+    assert link.bytes_moved > before
+    apply_mode(model, OverlapMode())
