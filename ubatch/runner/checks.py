@@ -104,6 +104,37 @@ def check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
             )
 
 
+def check_drafter(
+    draft_model: Decoder | None, k: int | None, config: ModelConfig, device: torch.device, dp_group: Any
+) -> bool:
+    """Whether speculative decoding is asked for (both ``draft_model`` and ``k``, or neither);
+    ValueError for one without the other, a bad ``k``, a drafter of another vocabulary or device,
+    or one that would run collectives under ``dp_group`` (ranks draft different numbers of
+    steps, so its collectives would not match)."""
+    if draft_model is None and k is None:
+        return False
+    if draft_model is None or k is None:
+        raise ValueError(
+            f"speculative decoding needs both draft_model and num_speculative_tokens, got "
+            f"draft_model={'None' if draft_model is None else type(draft_model).__name__}, "
+            f"num_speculative_tokens={k!r}"
+        )
+    check_count("num_speculative_tokens", k)
+    if draft_model.config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocab_size={draft_model.config.vocab_size} differs from the "
+            f"target's vocab_size={config.vocab_size}: they must share a vocabulary"
+        )
+    if draft_model.device != device:
+        raise ValueError(f"the draft model is on {draft_model.device}, the runner on {device}")
+    if dp_group is not None and not is_local(draft_model):
+        raise ValueError(
+            "with dp_group the draft model must run locally on each rank (no tp_group or "
+            "ep_group): ranks draft different numbers of steps, so its collectives would not match"
+        )
+    return True
+
+
 def is_local(model: Decoder) -> bool:
     """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
     return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None for m in model.modules())

@@ -43,9 +43,9 @@ from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_b
 from ubatch.runner.checks import (
     check_count,
     check_dp_covers_ep,
+    check_drafter,
     check_vocab,
     checked_prompt,
-    is_local,
     per_prompt_limits,
 )
 from ubatch.runner.modes import (
@@ -162,29 +162,10 @@ class ModelRunner:
     def _make_drafter(
         self, draft_model: Decoder | None, k: int | None, capture_sizes: Sequence[int] | None
     ) -> DraftModel | None:
-        """The drafter, after checking it can serve this runner's target; it captures graphs
-        of its own at the target's sizes."""
-        if draft_model is None and k is None:
+        """The drafter, once ``check_drafter`` accepts it; it captures graphs of its own at the
+        target's sizes."""
+        if not check_drafter(draft_model, k, self.config, self.device, self._dp_group):
             return None
-        if draft_model is None or k is None:
-            raise ValueError(
-                f"speculative decoding needs both draft_model and num_speculative_tokens, got "
-                f"draft_model={'None' if draft_model is None else type(draft_model).__name__}, "
-                f"num_speculative_tokens={k!r}"
-            )
-        check_count("num_speculative_tokens", k)
-        if draft_model.config.vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"the draft model's vocab_size={draft_model.config.vocab_size} differs from the "
-                f"target's vocab_size={self.config.vocab_size}: they must share a vocabulary"
-            )
-        if draft_model.device != self.device:
-            raise ValueError(f"the draft model is on {draft_model.device}, the runner on {self.device}")
-        if self._dp_group is not None and not is_local(draft_model):
-            raise ValueError(
-                "with dp_group the draft model must run locally on each rank (no tp_group or "
-                "ep_group): ranks draft different numbers of steps, so its collectives would not match"
-            )
         return DraftModel(
             draft_model,
             num_kv_blocks=self.num_kv_blocks,
