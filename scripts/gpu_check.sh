@@ -107,8 +107,12 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
-      --modes pipeline2,split2,split3,split2+local --top 10 2>&1 | grep -v -i warn | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
+      --modes pipeline2,pipeline4,split2,split3,split2+local --top 10 2>&1 | grep -v -i warn \
+      | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
   done
+  # traces of where pipelining falls short of the schedule model and of what own rows first hides
+  timeout 150 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link host:27 --modes pipeline4,split2+local \
+    --trace-dir "$OUT/traces_prefill4096_link27" --top 0 2>&1 | grep -v -i warn | tail -3
   run1 120 $prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
   run1 150 $decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
     | tail -30
