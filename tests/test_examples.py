@@ -4,6 +4,7 @@ that its layers ran interleaved across ubatches; it exits non-zero otherwise."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,13 @@ def test_runner_loop_serves_arrivals_equal_to_unsplit_greedy(nproc):
     # the ranks print concurrently, so their lines may run together: count the verdicts
     assert result.stdout.count("equals unsplit greedy decoding: True") == nproc, result.stdout
     assert "equals unsplit greedy decoding: False" not in result.stdout, result.stdout
+
+
+def test_runner_loop_under_a_calibrated_mode_policy_serves_equal_to_unsplit_greedy():
+    """Both ranks calibrate one policy (each mode's time the slower rank's), which the runner
+    accepts only if it is the same on every rank, and pick the same mode every step."""
+    result = torchrun(2, "examples/runner_loop.py", "--modes", "pipeline2,split2+join", timeout_s=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("equals unsplit greedy decoding: True") == 2, result.stdout
+    served = re.findall(r"steps per mode (\{[^}]*\})", result.stdout)  # the ranks' lines may run together
+    assert len(served) == 2 and served[0] == served[1], result.stdout
