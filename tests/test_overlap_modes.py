@@ -187,3 +187,21 @@ def test_chunked_all_reduce_needs_a_tensor_parallel_model():
     with pytest.raises(ValueError, match="mode allreduce2 needs a tensor-parallel model"):
         apply_mode(model, OverlapMode.parse("allreduce2"))
     assert supported(model, [OverlapMode(), OverlapMode.parse("allreduce2")]) == [OverlapMode()]
+
+
+def test_putting_the_mode_in_force_again_sets_nothing(monkeypatch):
+    """A runner under a mode policy applies a mode every step: where the layers already hold it,
+    no (slow) nn.Module attribute write happens."""
+    model = build_model(ModelConfig(**CONFIG), device="cpu")
+    mode = OverlapMode.parse("split2+join+pipeline2+local")
+    apply_mode(model, mode)
+    writes = []
+    layer_type = type(next(iter(model.moe_layers.values())))
+    real = layer_type.__setattr__
+    monkeypatch.setattr(
+        layer_type, "__setattr__", lambda self, name, value: writes.append(name) or real(self, name, value)
+    )
+    apply_mode(model, mode)
+    assert writes == []
+    apply_mode(model, OverlapMode())
+    assert sorted(set(writes)) == ["_expert_chunks", "expert_chunks", "join_ubatches", "local_first"]

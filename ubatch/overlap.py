@@ -157,18 +157,25 @@ def apply_mode(model: Any, mode: OverlapMode) -> None:
     if mode.all_reduce_chunks > 1 and not projections:
         raise ValueError(f"mode {mode.name} needs a tensor-parallel model; this one has no tp_group")
     for layer in layers:
-        layer.expert_chunks = mode.expert_chunks
-        layer.join_ubatches = mode.join_experts
-        layer.local_first = mode.local_first
+        _set(layer, "expert_chunks", mode.expert_chunks)
+        _set(layer, "join_ubatches", mode.join_experts)
+        _set(layer, "local_first", mode.local_first)
     for module in projections:
-        module.all_reduce_chunks = mode.all_reduce_chunks
+        _set(module, "all_reduce_chunks", mode.all_reduce_chunks)
+
+
+def _set(module: Any, name: str, value: Any) -> None:
+    """``module.name = value`` where it differs: ``nn.Module.__setattr__`` is slow, and a runner
+    under a mode policy puts a mode in force every step."""
+    if getattr(module, name) != value:
+        setattr(module, name, value)
 
 
 def tensor_parallel_projections(model: Any) -> Iterator[Any]:
     """The model's modules whose row-parallel projection ends in an all-reduce over a
-    tensor-parallel group (none without one)."""
-    modules = model.modules() if hasattr(model, "modules") else ()
-    yield from (m for m in modules if hasattr(m, "all_reduce_chunks") and getattr(m, "tp_group", None) is not None)
+    tensor-parallel group (none without one; the reference models list them as
+    ``row_parallel_layers``)."""
+    yield from getattr(model, "row_parallel_layers", ())
 
 
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:

@@ -41,6 +41,7 @@ class Decoder(nn.Module):
 
     ``attention_layers`` is the static registry of Attention layers (pass it as the forward
     context's ``no_compile_layers``); ``layer_names`` lists its keys in layer order;
+    ``row_parallel_layers`` the modules whose projection ends in a tensor-parallel all-reduce;
     ``num_kv_heads`` / ``head_dim`` size this rank's KV cache.
     """
 
@@ -84,6 +85,11 @@ class Decoder(nn.Module):
             )
         )
         self.layer_names: list[str] = list(self.attention_layers)
+        # the projections whose all-reduce a mode may chunk (allreduceK), found once: a mode is
+        # put in force every step a policy picks one
+        self.row_parallel_layers: list[nn.Module] = [
+            m for m in self.modules() if hasattr(m, "all_reduce_chunks") and getattr(m, "tp_group", None) is not None
+        ]
         self.num_kv_heads: int = self.layers[0].attn.num_kv_heads
         self.head_dim: int = config.head_dim
 
