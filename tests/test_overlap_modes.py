@@ -205,3 +205,15 @@ def test_putting_the_mode_in_force_again_sets_nothing(monkeypatch):
     assert writes == []
     apply_mode(model, OverlapMode())
     assert sorted(set(writes)) == ["_expert_chunks", "expert_chunks", "join_ubatches", "local_first"]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 32])
+def test_row_parallel_takes_any_leading_dims_and_more_chunks_than_rows(chunks):
+    """``row_parallel`` for a model's own projections: [..., in] inputs, any chunk count (more
+    chunks than rows runs unchunked); over the link (one rank's values) it is ``x @ w.T``."""
+    from ubatch.models.layers import row_parallel
+
+    x, weight = torch.randn(3, 5, 8), torch.randn(6, 8)
+    got = row_parallel(x, weight, HostLink(2, bandwidth_gbps=50.0), chunks)
+    assert got.shape == (3, 5, 6)
+    torch.testing.assert_close(got, x @ weight.T, **TOL)

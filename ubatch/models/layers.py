@@ -117,26 +117,26 @@ def rotate_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, tp_group: Any, chunks: int = 1) -> torch.Tensor:
-    """``x @ weight.T`` summed over ``tp_group`` (a row-parallel projection). With ``chunks`` > 1
-    the rows go in that many chunks and each chunk's all-reduce starts as soon as its GEMM is
-    done, so it is in flight while the next chunk's GEMM runs (inside a ubatch: on the comm
-    stream); only the last chunk's all-reduce is left with nothing beside it."""
+    """``x @ weight.T`` summed over ``tp_group`` (a row-parallel projection; ``x`` is [..., in]).
+    With ``chunks`` > 1 the rows go in that many chunks and each chunk's all-reduce starts as
+    soon as its GEMM is done, so it is in flight while the next chunk's GEMM runs (inside a
+    ubatch: on the comm stream); only the last chunk's all-reduce is left with nothing beside it."""
     if tp_group is None:
         return F.linear(x, weight)
-    if chunks == 1 or len(x) < chunks:
+    rows = x.reshape(-1, x.shape[-1])
+    if chunks == 1 or len(rows) < chunks:
         out = F.linear(x, weight)
         comm.all_reduce(out, group=tp_group)
         return out
-    out = x.new_empty(len(x), weight.shape[0])
-    bounds = [len(x) * c // chunks for c in range(chunks + 1)]
+    out = rows.new_empty(len(rows), weight.shape[0])
+    bounds = [len(rows) * c // chunks for c in range(chunks + 1)]
     handles = []
     for start, stop in zip(bounds, bounds[1:]):
-        part = slice(start, stop)
-        torch.mm(x[part], weight.t(), out=out[part])
-        handles.append(comm.all_reduce(out[part], group=tp_group, async_op=True))
+        torch.mm(rows[start:stop], weight.t(), out=out[start:stop])
+        handles.append(comm.all_reduce(out[start:stop], group=tp_group, async_op=True))
     for handle in handles:
         handle.wait()
-    return out
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class SwiGLUMLP(nn.Module):
