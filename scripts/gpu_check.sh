@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -92,18 +92,27 @@ if want link; then  # the link stand-in alone: its GPU tests, then what it reach
   timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_link.py 2>&1 | tee "$OUT/gpu_link_tests.log" | tail -3
   timeout 120 python3 scripts/link_bandwidth.py --out "$OUT/link_bandwidth.json" 2>&1 | tee "$OUT/link_bandwidth.log" | tail -20
 fi
-if want modes; then  # one H200: every overlap mode from graphs, no communication, then over the link stand-in
-  # paced so that communication is ~40-100% of the step's compute (docs/overlap-modes.md)
-  common="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0"
-  split_modes="overlap,pipeline2,pipeline4,split2,split2+pipeline2"
+# one H200: every overlap mode from graphs, no communication, then over the link stand-in paced so
+# that communication is ~40-100% of the step's compute (docs/overlap-modes.md); decode and prefill
+# are separate parts, each well inside one 10-minute call
+common="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0"
+split_modes="overlap,pipeline2,pipeline4,split2,split2+pipeline2"
+if want modes; then
   decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4,split2+local"
-  decode="$common --workload decode --tokens 256,1024 --modes"
-  prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
-  run1 150 $decode $decode_modes --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
+  mode_decode="$common --workload decode --tokens 256,1024 --modes"
+  run1 150 $mode_decode $decode_modes --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
   timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
-  run1 180 $decode $decode_modes,split2@green16,split2+join@green16 --preset moe-bench --link host:10 \
+  run1 180 $mode_decode $decode_modes,split2@green16,split2+join@green16 --preset moe-bench --link host:10 \
     --out "$OUT/modes_moe_decode_link10.json" | tail -36
+  run1 150 $mode_decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
+    | tail -30
+  # the same with capacity factors measured from its routing instead of 2.0: how much less the dispatch moves
+  run1 180 $mode_decode $decode_modes --preset deepseek-bench --link host:33 --capacity-factor measured \
+    --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
+fi
+if want modes_prefill; then
+  mode_prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
@@ -113,13 +122,8 @@ if want modes; then  # one H200: every overlap mode from graphs, no communicatio
   # traces of where pipelining falls short of the schedule model and of what own rows first hides
   timeout 150 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link host:27 --modes pipeline4,split2+local \
     --trace-dir "$OUT/traces_prefill4096_link27" --top 0 2>&1 | grep -v -i warn | tail -3
-  run1 120 $prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
-  run1 150 $decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
-    | tail -30
-  # the same with capacity factors measured from its routing instead of 2.0: how much less the dispatch moves
-  run1 180 $decode $decode_modes --preset deepseek-bench --link host:33 --capacity-factor measured \
-    --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
-  run1 150 $prefill --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
+  run1 180 $mode_prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
+  run1 200 $mode_prefill --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
 fi
 if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-reduces against a split
   run1 150 -m ubatch.bench --graphs --layers 4 --model dense --preset dense-bench --workload prefill --prompt-len 512 \
