@@ -14,6 +14,7 @@ from ubatch.context import capture_scope
 from ubatch.cudagraph import BatchExecutionDescriptor as BED
 from ubatch.cudagraph import CudaGraphManager, dispatch, make_descriptors
 from ubatch.graphed import GraphedModel
+from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
 from ubatch.overlap import OverlapMode, apply_mode
 from ubatch.wrapper import UBatchWrapper
@@ -301,8 +302,6 @@ def test_own_rows_first_and_chunked_all_reduces_capture_over_the_link(
 ):
     """Their captures take the static path and record every collective (on the CPU link, with the
     fake backend, whose captures run eagerly): no descriptor falls back to eager."""
-    from ubatch.link import HostLink
-
     link = HostLink(2, bandwidth_gbps=50.0)
     model = build_model(ModelConfig.preset(preset), device="cpu", **{group_kind: link})
     make_step(model, [1] * 8, [5] * 8)  # binds a KV cache

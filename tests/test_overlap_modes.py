@@ -20,6 +20,7 @@ from ubatch import comm, split_batch
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
+from ubatch.models.layers import row_parallel
 from ubatch.overlap import OverlapMode, apply_mode, supported
 from ubatch.wrapper import UBatchWrapper
 
@@ -211,8 +212,6 @@ def test_putting_the_mode_in_force_again_sets_nothing(monkeypatch):
 def test_row_parallel_takes_any_leading_dims_and_more_chunks_than_rows(chunks):
     """``row_parallel`` for a model's own projections: [..., in] inputs, any chunk count (more
     chunks than rows runs unchunked); over the link (one rank's values) it is ``x @ w.T``."""
-    from ubatch.models.layers import row_parallel
-
     x, weight = torch.randn(3, 5, 8), torch.randn(6, 8)
     got = row_parallel(x, weight, HostLink(2, bandwidth_gbps=50.0), chunks)
     assert got.shape == (3, 5, 6)

@@ -103,8 +103,9 @@ def calibrated_mode_policy(
         )
     bound = {name: layer.kv_cache for name, layer in model.attention_layers.items()}
     timings: dict[str, dict[int, float]] = {mode.name: {} for mode in wanted}
+    sizes = sorted(set(sizes))
     try:
-        for tokens in sorted(set(sizes)):
+        for tokens in sizes:
             step = _synthetic_step(model, workload, tokens, context_len, prompt_len, seed)
             sweep = sweep_modes(model, step, wanted, graph_mode=graph_mode, warmup=warmup, repeats=repeats)
             for mode in wanted:
@@ -113,10 +114,10 @@ def calibrated_mode_policy(
         for name, layer in model.attention_layers.items():
             layer.kv_cache = bound[name]
     if group is not None and dist.get_world_size(group) > 1:
-        table = torch.tensor([[timings[m.name][t] for t in sorted(set(sizes))] for m in wanted], dtype=torch.float64)
+        table = torch.tensor([[timings[m.name][t] for t in sizes] for m in wanted], dtype=torch.float64)
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
         for mode, row in zip(wanted, table.tolist()):
-            timings[mode.name] = dict(zip(sorted(set(sizes)), row))
+            timings[mode.name] = dict(zip(sizes, row))
     return ModePolicy(timings, min_gain=min_gain)
 
 
