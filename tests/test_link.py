@@ -422,6 +422,7 @@ def simulated_gpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(HostLink, "_is_cpu", lambda self: False)
     monkeypatch.setattr(link_module, "CALIBRATION_BYTES", (64 << 10, 256 << 10))
+    monkeypatch.setattr(link_module, "named_stream", lambda device, role: Stream())  # no pool to alias
     return gpu
 
 

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from ubatch import islands
 from ubatch.context import CUDAGraphMode, capture_scope
+from ubatch.streams import named_stream
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class CudaGraphBackend:
         self.device = device
         with torch.cuda.device(device):
             self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream()
+            self.stream = named_stream(device, "graph-capture")
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()

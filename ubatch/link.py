@@ -56,6 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ubatch.streams import named_stream
+
 DEFAULT_CPU_GBPS = 10.0  # a memcpy's speed: the CPU link's bandwidth when none is set
 DEFAULT_CHUNK_BYTES = 4 << 20  # largest chunk per copy, and the size of each pinned slot
 RING_SLOTS = 4  # pinned slots: D2H runs up to this many chunks ahead of H2D
@@ -179,7 +181,7 @@ class _CudaStaging:
             )
         self.device = device
         self.chunk_bytes = chunk_bytes
-        self.side = torch.cuda.Stream(device)
+        self.side = named_stream(device, "link-copy")
         ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self.slots = [ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # D2H of the slot done
@@ -204,7 +206,7 @@ class _CudaStaging:
         held behind a sleep while the host enqueues them, so the figure is the device's and not
         the Python launch rate."""
         torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(self.device)
+        stream = named_stream(self.device, "link-calibration")
         with torch.cuda.stream(stream):
             scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             self.round_trip(scratch, scratch, nbytes)

@@ -29,6 +29,7 @@ from typing import Any
 import greenlet
 import torch
 
+from ubatch.streams import ubatch_streams
 from ubatch.trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -338,9 +339,9 @@ class UBatchScheduler:
     def _make_streams(self, compute_streams: Sequence[Any] | None, comm_stream: Any) -> None:
         if compute_streams is not None and len(compute_streams) != self.num_ubatches:
             raise ValueError(f"need one compute stream per ubatch ({self.num_ubatches}), got {len(compute_streams)}")
-        with torch.cuda.device(self.device):
-            self.compute_streams = list(compute_streams or [torch.cuda.Stream() for _ in range(self.num_ubatches)])
-            self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
+        own_compute, own_comm = ubatch_streams(self.device, self.num_ubatches)
+        self.compute_streams = list(compute_streams or own_compute)
+        self.comm_stream = comm_stream if comm_stream is not None else own_comm
 
     def _make_state(self, i: int) -> UBatchState:
         # A weak back-reference: a cycle would leave the scheduler, its pool and its parked

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ubatch.streams import ubatch_streams
+
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "green", "cooperative")
@@ -223,8 +225,7 @@ class SMPartition:
                 )
             except RuntimeError as exc:  # GreenContextError included
                 self._degrade(f"creating green-context streams failed: {exc}")
-        with torch.cuda.device(self.device):
-            return [torch.cuda.Stream() for _ in range(num_ubatches)], torch.cuda.Stream()
+        return ubatch_streams(self.device, num_ubatches)
 
     def comm_group(self, group: Any = None, phase: str | None = None) -> Any:
         """The process group overlapped collectives should use.
