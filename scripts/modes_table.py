@@ -25,9 +25,8 @@ def render(report: dict) -> str:
     link = setup.get("link")
     if link:
         by_bytes = ", ".join(f"{int(b) >> 20} MiB {gbps:.1f}" for b, gbps in link["reached_gbps_by_bytes"].items())
-        where += (
-            f"; link stand-in set to {link['bandwidth_set_gbps'] or 'copy-engine speed'} GB/s, reached {by_bytes} GB/s"
-        )
+        speed = f"set to {link['bandwidth_set_gbps']} GB/s" if link["bandwidth_set_gbps"] else "at copy-engine speed"
+        where += f"; link stand-in {speed}, reached {by_bytes} GB/s"
     capacity = setup.get("capacity")
     if capacity:
         where += f"; capacity factors measured: {capacity['dispatch']} (dispatch), {capacity['expert']} (experts)"
