@@ -138,10 +138,12 @@ def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch
         "split2": [7.8, 8.05, 8.1, 8.0],
     }
     timed: list[str] = []
+    warmups: list[tuple[int, int]] = []
 
     def scripted(fn, device, *, warmup, repeats):
         fn()
         timed.append(current[0])
+        warmups.append((warmup, repeats))
         ms = script[current[0]].pop(0)
         return Timing(ms, ms, ms)
 
@@ -157,7 +159,8 @@ def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch
 
     monkeypatch.setattr(modes_module, "sample_ms", scripted)
     monkeypatch.setattr(modes_module, "mode_call", tracking)
-    sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=1)
+    sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=2, repeats=5)
+    assert warmups[:2] == [(2, 3), (0, 5)], "the short timing warms up as the long one would, the long one after it"
     assert sweep["runoff"] == ["pipeline2", "split2"], "unsplit is not within 5% of the fastest"
     assert timed[6:] == ["split2", "pipeline2", "pipeline2", "split2"], "alternating order"
     assert sweep["capture_time_ms"] == {"unsplit": 10.0, "pipeline2": 7.75, "split2": 8.0}

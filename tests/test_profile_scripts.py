@@ -350,7 +350,8 @@ def test_mode_kernels_summarises_a_replay_and_groups_families():
 
 
 def test_modes_table_renders_a_committed_report_as_results_shows_it():
-    report = json.loads((ROOT / "benchmarks/history/modes_deepseek_decode_link33_measured_capacity_b78bbcd.json").read_text())
+    committed = ROOT / "benchmarks/history/modes_deepseek_decode_link33_measured_capacity_b78bbcd.json"
+    report = json.loads(committed.read_text())
     text = modes_table.render(report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + len(report["results"]), "a header, its rule and one row per (tokens, mode)"

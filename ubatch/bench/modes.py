@@ -38,6 +38,7 @@ from ubatch.policy import ModePolicy
 from ubatch.sm import SMPartition
 from ubatch.wrapper import UBatchWrapper
 
+QUICK_REPEATS = 3  # the short timing the mode policy picks from
 RUNOFF_MARGIN = 0.05  # short timings this close to the fastest are timed again
 RUNOFF_ROUNDS = 2  # each close mode ends with 1 + RUNOFF_ROUNDS short timings, their median kept
 
@@ -162,10 +163,11 @@ def sweep_modes(
     (what overlapped: its kernels and the link's copies, per stream). Ubatched modes run under
     ``sm_partition`` unless they name their own (``@greenK``).
 
-    Besides the measured figures, each mode gets a short timing right after capture
-    (``capture_time_ms``, what the policy picks from); the modes whose short timings lie within
-    ``RUNOFF_MARGIN`` of the fastest are timed again, captured anew, in alternating order
-    (``runoff``), since three repeats cannot tell them apart."""
+    Besides the measured figures, each mode gets a short timing right after capture and the same
+    ``warmup`` as theirs (``capture_time_ms``, what the policy picks from: a PIECEWISE split's
+    first replays after capture once read 8% slower than its later ones); the modes whose short
+    timings lie within ``RUNOFF_MARGIN`` of the fastest are timed again, captured anew, in
+    alternating order (``runoff``), since ``QUICK_REPEATS`` repeats cannot tell them apart."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
     device = model.device
@@ -181,8 +183,8 @@ def sweep_modes(
             "comm_sms": None if partition is None or partition.effective_mode == "none" else partition.comm_sms_for(),
         }
         with mode_call(model, step, mode, graph_mode, partition) as fn:
-            quick[mode.name] = [sample_ms(fn, device, warmup=1, repeats=3).median_ms]
-            timings[mode.name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+            quick[mode.name] = [sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms]
+            timings[mode.name] = sample_ms(fn, device, warmup=0, repeats=repeats)  # warm from the short timing
             dropped[mode.name] = dropped_share(model, fn, step)
             if graph_mode is not None and mode == OverlapMode():
                 compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
@@ -194,7 +196,7 @@ def sweep_modes(
             for mode in runoff if round_ % 2 else reversed(runoff):
                 partition = mode_partition(mode, sm_partition, device, made)
                 with mode_call(model, step, mode, graph_mode, partition) as fn:
-                    quick[mode.name].append(sample_ms(fn, device, warmup=1, repeats=3).median_ms)
+                    quick[mode.name].append(sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms)
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
     return {
