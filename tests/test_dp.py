@@ -422,7 +422,8 @@ def test_failed_peer_makes_others_exit_with_clear_error(failure, message):
     elapsed, error = reported[0]
     assert re.search(message, error), error
     assert "on data-parallel rank 0 of 2, step" in error
-    assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to notice"
+    # The runner's 2 s timeout, not the default 300 s, bounds it; 30 s leaves a loaded machine room.
+    assert elapsed < 30, f"rank 0 took {elapsed:.1f} s to notice"
     assert 1 not in reported, reported.get(1)
 
 
