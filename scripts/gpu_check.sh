@@ -129,6 +129,10 @@ if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-redu
   run1 150 -m ubatch.bench --graphs --layers 4 --model dense --preset dense-bench --workload prefill --prompt-len 512 \
     --tokens 4096 --modes overlap,allreduce2,allreduce4,split2,split2+allreduce2 --link host \
     --out "$OUT/modes_dense_prefill_link.json" | tail -10
+  # over the stand-in even the plain split hid none of the all-reduces: where does it wait?
+  timeout 150 python3 scripts/mode_kernels.py --preset dense-bench --workload prefill --tokens 4096 --link host \
+    --modes split2,allreduce2 --trace-dir "$OUT/traces_dense_prefill4096_link" --top 8 2>&1 | grep -v -i warn \
+    | tee "$OUT/mode_kernels_dense_prefill4096_link.log"
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"

@@ -4,7 +4,8 @@ With ``--link``, the summary also says how long the transfers ran and how much o
 compute kernel hid (``exposed_comm_ms``).
 
 ``python scripts/mode_kernels.py --preset moe-bench --tokens 256 --modes overlap,split2+join``
-(one GPU, no communication unless ``--link``; ``--workload prefill`` profiles prompts replayed
+(one GPU, no communication unless ``--link``, over which a MoE preset's experts and a dense one's
+heads are parallel; ``--workload prefill`` profiles prompts replayed
 from PIECEWISE graphs instead). The summary line per mode gives the replay's span,
 the compute kernels' total, and the idle time between them (the per-kernel gaps that every extra
 kernel costs inside a graph).
@@ -136,7 +137,8 @@ def main() -> None:
     model = build_model(
         config,
         device=device,
-        ep_group=link,
+        ep_group=link if config.kind == "moe" else None,
+        tp_group=link if config.kind == "dense" else None,
         attn_backend=get_backend(None if args.attention == "auto" else args.attention, device),
     )
     for tokens in args.tokens:
