@@ -101,8 +101,9 @@ if want modes; then
   decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4,split2+local"
   mode_decode="$common --workload decode --tokens 256,1024 --modes"
   run1 150 $mode_decode $decode_modes --preset moe-bench --out "$OUT/modes_moe_decode_nocomm.json" | tail -30
-  timeout 150 python3 scripts/mode_kernels.py --tokens 256 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
-    | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256.log"
+  # what each mode adds, and where the unsplit 1024-token step (a third of its roofline) spends its time
+  timeout 180 python3 scripts/mode_kernels.py --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
+    | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256_1024.log"
   run1 180 $mode_decode $decode_modes,split2@green16,split2+join@green16 --preset moe-bench --link host:10 \
     --out "$OUT/modes_moe_decode_link10.json" | tail -36
   run1 150 $mode_decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
