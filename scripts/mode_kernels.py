@@ -64,8 +64,8 @@ def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
 
 
 def print_modes(model: object, tokens: int, args: argparse.Namespace, device: torch.device) -> None:
-    """One line per mode of the ``tokens``-token step, then its largest kernel-family changes
-    against the unsplit step."""
+    """One line per mode of the ``tokens``-token step, then the unsplit step's costliest kernel
+    families and each other mode's largest changes against them."""
     if args.workload == "decode":
         step, _ = make_step(model, [1] * tokens, [args.context_len] * tokens)
     else:
@@ -84,6 +84,8 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
         totals = families(kernels)
         if mode == OverlapMode():
             base = totals
+            for fam, (count, ms) in sorted(totals.items(), key=lambda item: -item[1][1])[: args.top]:
+                print(f"  {fam:60s} {count:5d}   {ms:7.3f} ms")
             continue
 
         def change(fam: str) -> float:
