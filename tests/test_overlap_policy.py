@@ -168,6 +168,45 @@ def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch
     assert point["choice"] == point["best"] == "pipeline2" and point["runoff"] == ["pipeline2", "split2"]
 
 
+def _sweep_with_timings_of_its_own(rank: int, world: int) -> None:
+    """Alone, rank 0's short timings would time pipeline2 and split2 again and rank 1's neither
+    (its pipeline2 is far ahead): ranks whose steps run collectives would then run different steps."""
+    import ubatch.bench.modes as modes_module
+
+    firsts = {
+        0: {"unsplit": 10.0, "pipeline2": 8.0, "split2": 7.8},
+        1: {"unsplit": 10.0, "pipeline2": 7.0, "split2": 7.8},
+    }
+    current, timed = ["unsplit"], []
+
+    def scripted(fn, device, *, warmup, repeats):
+        fn()
+        timed.append(current[0])
+        ms = firsts[rank][current[0]] if timed.count(current[0]) == 1 else 9.0
+        return Timing(ms, ms, ms)
+
+    real_call = modes_module.mode_call
+
+    def tracking(model_, step_, mode, graph_mode, partition):
+        current[0] = mode.name
+        return real_call(model_, step_, mode, graph_mode, partition)
+
+    modes_module.sample_ms, modes_module.mode_call = scripted, tracking
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8, seed=rank)
+    sweep = sweep_modes(
+        model, step, parse_modes("pipeline2,split2"), graph_mode=None, warmup=0, repeats=1, group=dist.group.WORLD
+    )
+    every = [None] * world
+    dist.all_gather_object(every, (timed, sweep["runoff"], sweep["capture_time_ms"]))
+    assert every[0] == every[1], f"the ranks timed different steps or hold different timings: {every}"
+    assert every[0][1] == ["pipeline2", "split2"], "the slowest rank's short timings decide"
+
+
+def test_ranks_agree_on_the_runoff_and_the_timings_the_policy_picks_from():
+    run_distributed(_sweep_with_timings_of_its_own, 2)
+
+
 def test_close_calls_are_the_modes_within_the_margin_of_the_fastest():
     assert close_calls({"unsplit": 10.0, "pipeline2": 8.0, "split2": 7.8}, 0.05) == ["pipeline2", "split2"]
     assert close_calls({"unsplit": 10.0, "split2": 7.8}, 0.05) == ["split2"]

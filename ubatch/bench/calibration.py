@@ -9,11 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ubatch.bench.measure import measure
-from ubatch.bench.modes import sweep_modes
+from ubatch.bench.modes import slowest_rank_ms, sweep_modes
 from ubatch.bench.workload import Step, make_step
 from ubatch.context import CUDAGraphMode
 from ubatch.overlap import OverlapMode, parse_modes, supported
@@ -107,18 +104,14 @@ def calibrated_mode_policy(
     try:
         for tokens in sizes:
             step = _synthetic_step(model, workload, tokens, context_len, prompt_len, seed)
-            sweep = sweep_modes(model, step, wanted, graph_mode=graph_mode, warmup=warmup, repeats=repeats)
+            sweep = sweep_modes(model, step, wanted, graph_mode=graph_mode, warmup=warmup, repeats=repeats, group=group)
             for mode in wanted:
                 timings[mode.name][tokens] = sweep["timings"][mode.name].median_ms
     finally:
         for name, layer in model.attention_layers.items():
             layer.kv_cache = bound[name]
-    if group is not None and dist.get_world_size(group) > 1:
-        table = torch.tensor([[timings[m.name][t] for t in sizes] for m in wanted], dtype=torch.float64)
-        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-        for mode, row in zip(wanted, table.tolist()):
-            timings[mode.name] = dict(zip(sizes, row))
-    return ModePolicy(timings, min_gain=min_gain)
+    slowest = slowest_rank_ms({(m.name, t): timings[m.name][t] for m in wanted for t in sizes}, group)
+    return ModePolicy({m.name: {t: slowest[m.name, t] for t in sizes} for m in wanted}, min_gain=min_gain)
 
 
 def _synthetic_step(model: Any, workload: str, tokens: int, context_len: int, prompt_len: int, seed: int) -> Step:

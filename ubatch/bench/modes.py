@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
@@ -157,6 +158,7 @@ def sweep_modes(
     repeats: int,
     sm_partition: Any = None,
     chrome_trace: str | None = None,
+    group: Any = None,
 ) -> dict[str, Any]:
     """Time every mode of ``step`` (``modes[0]`` must be unsplit) and the unsplit step's C and M;
     under graphs, ``chrome_trace`` keeps torch.profiler's trace of one replay of ``modes[1]``
@@ -167,7 +169,11 @@ def sweep_modes(
     ``warmup`` as theirs (``capture_time_ms``, what the policy picks from: a PIECEWISE split's
     first replays after capture once read 8% slower than its later ones); the modes whose short
     timings lie within ``RUNOFF_MARGIN`` of the fastest are timed again, captured anew, in
-    alternating order (``runoff``), since ``QUICK_REPEATS`` repeats cannot tell them apart."""
+    alternating order (``runoff``), since ``QUICK_REPEATS`` repeats cannot tell them apart.
+
+    Ranks whose steps run collectives together must time the same modes in the same order: give
+    them ``group`` (the ranks' process group), and every short timing is the slowest rank's, so
+    they agree on the runoff and on the pick."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
     device = model.device
@@ -190,7 +196,8 @@ def sweep_modes(
                 compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
             elif graph_mode is not None and chrome_trace and mode == modes[1]:
                 profile_kernels(fn, device, chrome_trace=chrome_trace)
-    runoff = [m for m in modes if m.name in close_calls({name: ms[0] for name, ms in quick.items()})]
+    first = slowest_rank_ms({name: ms[0] for name, ms in quick.items()}, group)
+    runoff = [m for m in modes if m.name in close_calls(first)]
     if len(runoff) > 1:
         for round_ in range(RUNOFF_ROUNDS):
             for mode in runoff if round_ % 2 else reversed(runoff):
@@ -201,13 +208,24 @@ def sweep_modes(
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
     return {
         "timings": timings,
-        "capture_time_ms": {name: statistics.median(ms) for name, ms in quick.items()},
+        "capture_time_ms": slowest_rank_ms({name: statistics.median(ms) for name, ms in quick.items()}, group),
         "runoff": [m.name for m in runoff] if len(runoff) > 1 else [],
         "compute_ms": compute_ms,
         "comm_ms": comm_ms,
         "dropped_fraction": dropped,
         "partitions": partitions,
     }
+
+
+def slowest_rank_ms(timings_ms: dict[Any, float], group: Any) -> dict[Any, float]:
+    """Each timing's largest value over the ranks of ``group`` (every rank holds the same keys, in
+    the same order); the timings as they are without a group or over one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return dict(timings_ms)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    values = torch.tensor(list(timings_ms.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(timings_ms, values.tolist()))
 
 
 def close_calls(quick_ms: dict[str, float], margin: float = RUNOFF_MARGIN) -> list[str]:
@@ -297,7 +315,7 @@ def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: 
 
 
 def modes_report(
-    model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *, sm_partition: Any = None
+    model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *, sm_partition: Any = None, group: Any = None
 ) -> dict[str, Any]:
     """``ubatch-bench --modes``: every supported mode at every ``--tokens`` size, each row with the
     unsplit step's roofline (``ubatch.bench.roofline``), and the policy's pick per size."""
@@ -317,6 +335,7 @@ def modes_report(
             repeats=args.repeats,
             sm_partition=sm_partition,
             chrome_trace=args.chrome_trace if tokens == args.tokens[0] else None,
+            group=group,
         )
         md = step.attn_metadata[model.layer_names[0]]
         for row in mode_rows(sweep, modes):

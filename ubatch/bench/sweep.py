@@ -142,7 +142,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.modes:
         if isinstance(args.capacity_factor, MeasuredCapacityArg):
             setup["capacity"] = set_measured_capacity(model, args, step_at, args.capacity_factor.margin)
-        report = modes_report(model, config, args, step_at, sm_partition=partition)
+        ranks = dist.group.WORLD if world > 1 else None  # they time and pick together
+        report = modes_report(model, config, args, step_at, sm_partition=partition, group=ranks)
         if args.link:
             setup["link"] = group.describe()  # with the bandwidth its first use calibrated
         report.update(setup=setup, args=vars(args), environment=environment(device, world, attention))
