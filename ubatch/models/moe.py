@@ -370,8 +370,10 @@ class MoEFFN(nn.Module):
         self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
         act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
-        out = torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, hidden)
-        return torch.cat([out, out.new_zeros(1, hidden)])[slot]
+        out = x.new_empty(n * capacity + 1, hidden)  # the last row: what dropped and padding rows read
+        torch.bmm(act, w2.transpose(1, 2), out=out[:-1].view(n, capacity, hidden))
+        out[-1].zero_()
+        return out[slot]
 
     @staticmethod
     def _experts_grouped(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
