@@ -323,3 +323,43 @@ def test_own_rows_first_and_chunked_all_reduces_capture_over_the_link(
     assert graphed.descriptors and set(graphed.manager.graphs) == set(graphed.descriptors), "every descriptor captured"
     assert link.bytes_moved > before
     apply_mode(model, OverlapMode())
+
+
+@pytest.mark.parametrize("preset, group_kind", [("tiny", "tp_group"), ("tiny-moe", "ep_group")])
+def test_a_piecewise_replay_runs_the_other_ubatch_while_a_collective_is_in_flight(preset, group_kind, monkeypatch):
+    """Replayed from a PIECEWISE graph, a two-way split starts each collective, then replays the
+    other ubatch's graph segments, and only then waits: the order that lets the transfer hide
+    (the fake backend's replays log which ubatch launched each segment)."""
+    import ubatch.scheduler as scheduler
+
+    link = HostLink(2, bandwidth_gbps=50.0)
+    model = build_model(ModelConfig.preset(preset, num_layers=2), device="cpu", **{group_kind: link})
+    step, _ = make_step(model, [8, 8], [0, 0])
+    backend = FakeBackend()
+    graphed = GraphedModel(
+        model, capture_sizes=[16], max_blocks_per_req=4, modes=(PIECEWISE,), ubatch_counts=(2,), graph_backend=backend
+    )
+    graphed.capture()
+    log: list[tuple[str, int | None]] = []
+    start, finish = scheduler.UBatchState.start_collective, scheduler.UBatchState.finish_collective
+
+    def logged_start(self, *args, **kwargs):
+        log.append(("start", self.ubatch_id))
+        return start(self, *args, **kwargs)
+
+    def logged_finish(self, pending):
+        finish(self, pending)
+        log.append(("waited", self.ubatch_id))
+
+    monkeypatch.setattr(scheduler.UBatchState, "start_collective", logged_start)
+    monkeypatch.setattr(scheduler.UBatchState, "finish_collective", logged_finish)
+    monkeypatch.setattr(FakeGraph, "replay", lambda self: log.append(("segment", scheduler.current_ubatch_id())))
+    md = step.attn_metadata[model.layer_names[0]]
+    with torch.inference_mode():
+        graphed.run(step.input_ids, step.positions, md, num_ubatches=2)
+    starts = [i for i, (event, _) in enumerate(log) if event == "start"]
+    assert len(starts) >= 2 * 2 * model.config.num_layers, log  # two collectives a layer, per ubatch
+    for i in starts:
+        ubatch = log[i][1]
+        waited = log.index(("waited", ubatch), i)
+        assert ("segment", 1 - ubatch) in log[i:waited], f"nothing of the other ubatch beside collective {i}: {log}"
