@@ -135,6 +135,20 @@ if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-redu
     --modes split2,allreduce2 --trace-dir "$OUT/traces_dense_prefill4096_link" --top 8 2>&1 | grep -v -i warn \
     | tee "$OUT/mode_kernels_dense_prefill4096_link.log"
 fi
+if want kv_pages; then  # flash-attn 4 reads a page of its key tile (128 tokens) with TMA, a smaller one by gathering rows
+  timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_attention.py tests/test_gpu_overlap_modes.py \
+    tests/test_fusion.py 2>&1 | tee "$OUT/gpu_kv_pages_tests.log" | tail -3
+  for pages in 16 128; do
+    run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --preset moe-bench \
+      --kv-block-size "$pages" --out "$OUT/modes_moe_decode_nocomm_kv$pages.json" | tail -12
+  done
+  timeout 150 python3 scripts/mode_kernels.py --tokens 256,1024 --modes split2 --top 6 2>&1 | grep -v -i warn \
+    | tee "$OUT/mode_kernels_moe_decode256_1024_kv128.log"
+  run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --preset moe-bench \
+    --link host:10 --out "$OUT/modes_moe_decode_link10_kv128.json" | tail -12
+  run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,pipeline4,split2,split2+join+pipeline2 \
+    --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_kv128.json" | tail -14
+fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
   fused="$fused --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"

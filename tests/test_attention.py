@@ -31,8 +31,10 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
-from ubatch.attention.backends import load_flash_attn
+from ubatch.attention.backends import load_flash_attn, preferred_block_size
+from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
+from ubatch.models import ModelConfig, build_model
 
 LAYER = "model.layers.0.attn"
 
@@ -707,6 +709,36 @@ def test_fa2_rejects_small_blocks(monkeypatch):
     sc = Scenario([5], block_size=16, backend=load_flash_attn()[0], dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block_size % 256 == 0, got block_size=16"):
         sc.step([(0, 5)])
+
+
+@pytest.mark.parametrize(
+    "version, head_dim, dtype, block_size",
+    [
+        ("fa4", 128, torch.bfloat16, 128),
+        ("fa4", 64, torch.float16, 128),
+        ("fa4", 256, torch.bfloat16, 16),
+        ("fa4", 128, torch.float32, 16),
+        ("fa2", 128, torch.bfloat16, 256),
+        ("fa3", 128, torch.bfloat16, 16),
+    ],
+)
+def test_preferred_block_size_is_the_page_the_kernel_reads_fastest(monkeypatch, version, head_dim, dtype, block_size):
+    """flash-attn 4 reads pages with TMA only when a page is its key tile; fp32 goes to torch."""
+    install_fakes(monkeypatch, [version])
+    assert preferred_block_size(load_flash_attn()[0], head_dim, dtype) == block_size
+    assert preferred_block_size(TorchBackend(), head_dim, dtype) == 16
+
+
+def test_a_freely_sized_cache_takes_the_page_size_of_the_models_backend(monkeypatch):
+    install_fakes(monkeypatch, ["fa4"])
+    config = ModelConfig.preset("tiny", dtype=torch.bfloat16)
+    model = build_model(config, device="cpu", attn_backend=load_flash_attn()[0])
+    assert PagedKVCache.preferred_block_size(model) == 128
+    step, cache = make_step(model, [1] * 3, [200] * 3)
+    assert cache.block_size == 128 and cache.num_blocks == 6  # 201 tokens a request: two pages each
+    assert next(iter(step.attn_metadata.values())).block_table.shape == (3, 2)
+    assert make_step(model, [1] * 3, [200] * 3, block_size=16)[1].block_size == 16
+    assert make_step(build_model(ModelConfig.preset("tiny"), device="cpu"), [2], [5])[1].block_size == 16
 
 
 # --- CUDA (run on the GPU machine) --------------------------------------------------------

@@ -44,6 +44,7 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
         "num_experts": 4,
         "launched": "here",
         "fuse_glue": None,
+        "kv_block_size": 16,
     }
     assert report["results"]
     for r in report["results"]:

@@ -10,6 +10,7 @@ from ubatch.attention.backends import (
     TorchBackend,
     available_backends,
     get_backend,
+    preferred_block_size,
 )
 from ubatch.attention.kv_cache import BlockPool, PagedKVCache, write_kv
 from ubatch.attention.layer import Attention, get_attention_context
@@ -27,6 +28,7 @@ __all__ = [
     "build_attention_metadata",
     "get_attention_context",
     "get_backend",
+    "preferred_block_size",
     "split_attn_metadata",
     "write_kv",
 ]

@@ -18,6 +18,8 @@ from ubatch.attention.metadata import AttentionMetadata
 from ubatch.attention.varlen import builtin_flash_supports, varlen_flash_attention
 
 BACKEND_NAMES = ("torch", "flash")
+DEFAULT_BLOCK_SIZE = 16  # KV tokens per page where the backend reads any page size
+FA4_KEY_TILE = 128  # flash-attn 4's key tile for head sizes up to 128 (Hopper and Blackwell)
 _INSTALL_HINT = "install it with `pip install ubatch[flash]` (flash-attn 4, CUDA 13)"
 
 
@@ -261,6 +263,22 @@ def load_flash_attn(
             continue
         return FlashAttentionBackend(version, fn, fallback=fallback), failures
     return None, failures
+
+
+def preferred_block_size(backend: AttentionBackend, head_dim: int, dtype: torch.dtype) -> int:
+    """The KV page size (tokens per block) ``backend`` reads fastest for ``head_dim`` / ``dtype``.
+
+    flash-attn 4 loads a paged cache with TMA only when a page is exactly its key tile (128 keys
+    for head sizes up to 128); any other page size takes a gather of rows. flash-attn 2 needs
+    pages of a multiple of 256. torch and flash-attn 3 read any size: the small default wastes
+    little of each request's last page. Where flash-attn cannot run the dtype, its torch
+    fallback does (see ``FlashAttentionBackend``), so the default holds."""
+    if isinstance(backend, FlashAttentionBackend) and dtype in (torch.float16, torch.bfloat16):
+        if backend.version == "fa4" and head_dim <= FA4_KEY_TILE:
+            return FA4_KEY_TILE
+        if backend.version == "fa2":
+            return 256
+    return DEFAULT_BLOCK_SIZE
 
 
 def describe_backend(backend: AttentionBackend) -> str:

@@ -34,6 +34,15 @@ class PagedKVCache:
             device=model.device if device is None else device,
         )
 
+    @staticmethod
+    def preferred_block_size(model: Any) -> int:
+        """The page size ``model``'s attention layers read fastest on its device and dtype (the
+        largest any layer asks for), for callers free to size the cache."""
+        layers = model.attention_layers.values()
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no attention layers to size a KV cache for")
+        return max(layer.preferred_block_size(model.device, model.config.dtype) for layer in layers)
+
     def __init__(
         self,
         layer_names: Sequence[str],

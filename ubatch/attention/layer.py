@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ubatch.attention.backends import BACKEND_NAMES, AttentionBackend, get_backend
+from ubatch.attention.backends import BACKEND_NAMES, AttentionBackend, get_backend, preferred_block_size
 from ubatch.attention.kv_cache import write_kv
 from ubatch.attention.metadata import AttentionMetadata
 from ubatch.context import get_forward_context
@@ -122,6 +122,10 @@ class Attention(nn.Module):
         if device not in self._backends:
             self._backends[device] = get_backend(self._backend_choice, device)
         return self._backends[device]
+
+    def preferred_block_size(self, device: torch.device | str, dtype: torch.dtype) -> int:
+        """The KV page size this layer's backend on ``device`` reads fastest (``preferred_block_size``)."""
+        return preferred_block_size(self._backend(torch.device(device)), self.head_dim, dtype)
 
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         want = {

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, default=128, help="prefill: tokens per request")
     p.add_argument("--context-len", type=non_negative_int, default=512, help="decode: cached tokens per request")
     p.add_argument(
+        "--kv-block-size",
+        type=positive_int,
+        help="tokens per KV cache page (default: the attention backend's fastest, 128 for flash-attn 4, else 16)",
+    )
+    p.add_argument(
         "--num-ubatches",
         type=int_list,
         help="ubatch counts to try, e.g. 2,3,4 (default 2; generate: 1, and only the first count is used)",

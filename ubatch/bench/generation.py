@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ubatch.attention import PagedKVCache
 from ubatch.models import Decoder, ModelConfig, build_model
 from ubatch.runner import ModelRunner
 
@@ -87,7 +88,7 @@ def generation_runner(
 ) -> ModelRunner:
     """The runner one timed generation of ``shape`` uses: KV room for every request at once, a
     step budget of the largest capture size."""
-    block_size = 16
+    block_size = PagedKVCache.preferred_block_size(model)
     max_model_len = shape.prompt_len + shape.max_new_tokens + k
     blocks_per_req = -(-max_model_len // block_size)
     spec = dict(draft_model=drafter, num_speculative_tokens=k) if drafter is not None else {}

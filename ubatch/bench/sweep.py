@@ -115,7 +115,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if tokens not in steps:
             steps.clear()
             query, context = step_shape(args, tokens)
-            steps[tokens] = make_step(model, query, context, seed=rank if config.kind == "moe" else 0)[0]
+            seed = rank if config.kind == "moe" else 0
+            steps[tokens], cache = make_step(model, query, context, block_size=args.kv_block_size, seed=seed)
+            setup["kv_block_size"] = cache.block_size
         return steps[tokens]
 
     def measure_at(tokens: int, n: int, chrome_trace: str | None = None) -> Measurement:

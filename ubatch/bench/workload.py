@@ -37,7 +37,7 @@ def make_step(
     query_lens: Sequence[int],
     context_lens: Sequence[int] | None = None,
     *,
-    block_size: int = 16,
+    block_size: int | None = None,
     num_tokens_padded: int | None = None,
     seed: int = 0,
     cache: PagedKVCache | None = None,
@@ -47,12 +47,15 @@ def make_step(
     Without ``cache``, allocates a fresh KV cache filled with random values drawn on the model's
     device (a host fill of a long-context decode cache takes minutes) and binds it to the model's
     attention layers; with one (already bound, e.g. under captured graphs), lays the step's blocks
-    out in it from block 0.
+    out in it from block 0. ``block_size``: tokens per KV page; None takes ``cache``'s, or else the
+    one the model's attention backend reads fastest (``PagedKVCache.preferred_block_size``).
     """
     context_lens = [0] * len(query_lens) if context_lens is None else list(context_lens)
     if len(context_lens) != len(query_lens):
         raise ValueError(f"{len(query_lens)} query lengths but {len(context_lens)} context lengths")
     device, cfg = model.device, model.config
+    if block_size is None:
+        block_size = cache.block_size if cache is not None else PagedKVCache.preferred_block_size(model)
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks = [math.ceil(s / block_size) for s in seq_lens]
