@@ -9,9 +9,10 @@ from tests.dist_utils import run_distributed
 from ubatch.bench.calibration import calibrated_mode_policy
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
-from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, sweep_modes
+from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, shard_worlds, sweep_modes
 from ubatch.bench.plot import plot_kernel_timeline
 from ubatch.bench.workload import make_step
+from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
 from ubatch.overlap import OverlapMode, parse_modes, supported
 from ubatch.policy import ModePolicy
@@ -285,6 +286,28 @@ def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_
     (point,) = report["auto"]["points"]
     assert point["choice"] in {"unsplit", "overlap", "pipeline2", "split2"}
     assert "auto at 64 tokens picks" in capsys.readouterr().out
+
+
+def test_a_mode_sweeps_roofline_is_one_ranks_share_of_the_sharded_model(tmp_path, monkeypatch):
+    """A tensor-parallel rank does 1/W of the heads and the MLP, an expert-parallel one holds 1/W of
+    the experts: ``modes_report`` rates each row against that rank's roofline, not the whole model's."""
+    import ubatch.bench.modes as modes_module
+
+    worlds = []
+    real = modes_module.roofline_fields
+
+    def recording(*args, **kwargs):
+        worlds.append((kwargs["ep_world"], kwargs["tp_world"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modes_module, "roofline_fields", recording)
+    argv = ["--model", "dense", "--modes", "split2", "--link", "host:50", "--tokens", "32", "--repeats", "1"]
+    main([*argv, "--warmup", "0", "--out", str(tmp_path / "modes.json")])
+    assert worlds == [(1, 2), (1, 2)], "unsplit and split2, each against one of two TP ranks' work"
+    cpu = dict(device="cpu")
+    assert shard_worlds(build_model(ModelConfig.preset("tiny"), **cpu)) == (1, 1)
+    assert shard_worlds(build_model(ModelConfig.preset("tiny"), tp_group=HostLink(2), **cpu)) == (1, 2)
+    assert shard_worlds(build_model(ModelConfig.preset("tiny-moe"), ep_group=HostLink(4), **cpu)) == (4, 1)
 
 
 @pytest.mark.parametrize(

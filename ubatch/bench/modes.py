@@ -314,6 +314,14 @@ def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: 
     }
 
 
+def shard_worlds(model: Any) -> tuple[int, int]:
+    """(expert-parallel, tensor-parallel) world sizes ``model`` is sharded for: a step's roofline is
+    one rank's share of the work."""
+    ep_world = group_rank_world(getattr(next(moe_layers(model), None), "ep_group", None))[1]
+    tp_group = next((m.tp_group for m in model.modules() if getattr(m, "tp_group", None) is not None), None)
+    return ep_world, group_rank_world(tp_group)[1]
+
+
 def modes_report(
     model: Any, config: Any, args: Any, step_at: Callable[[int], Step], *, sm_partition: Any = None, group: Any = None
 ) -> dict[str, Any]:
@@ -322,7 +330,7 @@ def modes_report(
     modes = supported(model, args.modes)
     skipped = [m.name for m in args.modes if m not in modes]
     graph_mode = GRAPH_MODES[args.workload] if args.graphs else None
-    ep_world = group_rank_world(getattr(next(moe_layers(model), None), "ep_group", None))[1]
+    ep_world, tp_world = shard_worlds(model)
     results, points = [], []
     for tokens in args.tokens:
         step = step_at(tokens)
@@ -347,7 +355,9 @@ def modes_report(
                     "graphs": graph_mode is not None,
                     "label": args.label,
                     **row,
-                    **roofline_fields(config, md, row["median_ms"], device=model.device, ep_world=ep_world),
+                    **roofline_fields(
+                        config, md, row["median_ms"], device=model.device, ep_world=ep_world, tp_world=tp_world
+                    ),
                 }
             )
         points.append({"tokens_per_rank": tokens, **auto_point(sweep, modes, tokens)})
