@@ -27,6 +27,8 @@ def render(report: dict) -> str:
         by_bytes = ", ".join(f"{int(b) >> 20} MiB {gbps:.1f}" for b, gbps in link["reached_gbps_by_bytes"].items())
         speed = f"set to {link['bandwidth_set_gbps']} GB/s" if link["bandwidth_set_gbps"] else "at copy-engine speed"
         where += f"; link stand-in {speed}, reached {by_bytes} GB/s"
+    if setup.get("kv_block_size"):
+        where += f"; KV pages of {setup['kv_block_size']} tokens"
     capacity = setup.get("capacity")
     if capacity:
         where += f"; capacity factors measured: {capacity['dispatch']} (dispatch), {capacity['expert']} (experts)"
