@@ -11,6 +11,7 @@ from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
 from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, shard_worlds, sweep_modes
 from ubatch.bench.plot import plot_kernel_timeline
+from ubatch.bench.report import format_modes_table
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
@@ -240,6 +241,32 @@ def test_a_mode_with_its_own_sm_partition_runs_under_it_and_reports_what_took_ef
 def test_timing_spread():
     t = Timing.of([1.0, 2.0, 4.0])
     assert (t.median_ms, t.min_ms, t.max_ms, t.spread) == (2.0, 1.0, 4.0, 1.5)
+    assert t.host_ms is None and Timing.of([3.0], [0.5]).host_ms == 0.5
+
+
+def test_a_timing_says_how_long_the_host_took_to_issue_the_run(monkeypatch):
+    """What the call itself takes is the host's issue time; what the drain after it adds is the device's."""
+    import time
+
+    import ubatch.bench.modes as modes_module
+
+    monkeypatch.setattr(modes_module, "drain", lambda device: time.sleep(0.02))
+    t = modes_module.sample_ms(lambda: time.sleep(0.005), "cpu", warmup=0, repeats=3)
+    assert 5 <= t.host_ms < 20 <= t.median_ms, "issue time apart from the 20 ms the device drain takes"
+    rows = mode_rows(
+        {
+            "timings": {"unsplit": t, "split2": Timing(10.0, 9.0, 11.0)},
+            "compute_ms": 1.0,
+            "comm_ms": 0.0,
+            "partitions": {"unsplit": {}, "split2": {}},
+            "dropped_fraction": {},
+        },
+        [OverlapMode(), OverlapMode(num_ubatches=2)],
+    )
+    assert rows[0]["host_ms"] == round(t.host_ms, 4) and rows[1]["host_ms"] is None
+    rows = [{**r, "tokens_per_rank": 8} for r in rows]
+    assert format_modes_table(rows).splitlines()[0].endswith("host ms")
+    assert "host ms" not in format_modes_table([{**r, "host_ms": None} for r in rows]), "older reports: no column"
 
 
 def test_the_link_stand_ins_copies_count_as_communication():

@@ -46,13 +46,19 @@ RUNOFF_ROUNDS = 2  # each close mode ends with 1 + RUNOFF_ROUNDS short timings, 
 
 @dataclass(frozen=True)
 class Timing:
+    """A run's wall time over repeats; ``host_ms`` is the median time the host took to issue one
+    run (return from the call, before its device work is waited for): a step whose ``host_ms``
+    nears its ``median_ms`` is bound by its launches, not by the GPU."""
+
     median_ms: float
     min_ms: float
     max_ms: float
+    host_ms: float | None = None
 
     @classmethod
-    def of(cls, samples_ms: Sequence[float]) -> Timing:
-        return cls(statistics.median(samples_ms), min(samples_ms), max(samples_ms))
+    def of(cls, samples_ms: Sequence[float], host_samples_ms: Sequence[float] | None = None) -> Timing:
+        host = statistics.median(host_samples_ms) if host_samples_ms else None
+        return cls(statistics.median(samples_ms), min(samples_ms), max(samples_ms), host)
 
     @property
     def spread(self) -> float:
@@ -64,14 +70,15 @@ def sample_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
     """Wall time of ``fn`` over ``repeats`` runs, the device drained around each run."""
     for _ in range(warmup):
         fn()
-    samples = []
+    samples, issued = [], []
     for _ in range(repeats):
         drain(device)
         t0 = time.perf_counter()
         fn()
+        issued.append((time.perf_counter() - t0) * 1e3)
         drain(device)
         samples.append((time.perf_counter() - t0) * 1e3)
-    return Timing.of(samples)
+    return Timing.of(samples, issued)
 
 
 def mode_partition(mode: OverlapMode, default: Any, device: Any, made: dict[int, SMPartition]) -> Any:
@@ -284,6 +291,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "median_ms": round(t.median_ms, 4),
                 "min_ms": round(t.min_ms, 4),
                 "max_ms": round(t.max_ms, 4),
+                "host_ms": None if t.host_ms is None else round(t.host_ms, 4),
                 "speedup": round(speedup, 4),
                 "speedup_spread": round(speedup * spread, 4),
                 "compute_ms": round(c, 4),

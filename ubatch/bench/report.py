@@ -208,8 +208,9 @@ def run_summary(report: dict[str, Any]) -> str:
 
 def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
-    unsplit step, its ideal and efficiency, the dropped share and the roofline; aligned text, or
-    a markdown table (``markdown``, as benchmarks/RESULTS.md shows a report)."""
+    unsplit step, its ideal and efficiency, the dropped share, the roofline and (where measured)
+    the host's time to issue one run; aligned text, or a markdown table (``markdown``, as
+    benchmarks/RESULTS.md shows a report)."""
     columns = [
         ("tokens", lambda r: str(r["tokens_per_rank"])),
         ("mode", lambda r: r["mode"]),
@@ -229,6 +230,8 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
             ),
         ),
     ]
+    if any(r.get("host_ms") is not None for r in results):  # reports from before 2026-12-02 have none
+        columns.append(("host ms", lambda r: _cell(r.get("host_ms"))))
     rows = [[cell(r) for _, cell in columns] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + " - |" * len(columns)]
