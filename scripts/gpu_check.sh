@@ -3,7 +3,8 @@
 # figures. Outputs go to $OUT (default ./out). greenlet is installed from .whl/ when the image
 # lacks it (see README: "Tests"). GPU_CHECK_PARTS picks parts (default: all, in this order).
 # GPU_CHECK_PACK=1 packs every output into one $OUT/gpu_check.tar.gz at the end (for a machine
-# that hands back only a few files).
+# that hands back only a few files). The machine's copy of the tree has no git history: run it as
+# UBATCH_CODE_VERSION=<commit> bash scripts/gpu_check.sh so every report names the code it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}

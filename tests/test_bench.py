@@ -3,10 +3,12 @@ and a timeline plot; --graphs refuses to run without CUDA; the kernel arithmetic
 hidden fraction and the comm stretch; the auto policy picks nothing for graph replays."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import ubatch.bench.report as report_module
 from ubatch.bench.auto import auto_policy_report
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import (
@@ -19,8 +21,18 @@ from ubatch.bench.kernels import (
     transfer_ms,
 )
 from ubatch.bench.measure import Measurement
-from ubatch.bench.report import format_table, plot_title, policy_sentence, row_note, speedup_text
+from ubatch.bench.report import (
+    CODE_VERSION_ENV,
+    code_version,
+    format_table,
+    plot_title,
+    policy_sentence,
+    row_note,
+    speedup_text,
+)
 from ubatch.bench.schedule import schedule_estimates, step_ms
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_itself(tmp_path, capsys):
@@ -37,6 +49,7 @@ def test_quick_run_hides_communication_between_two_ranks_it_starts_and_explains_
     assert env["torch"] and env["world_size"] == 2 and env["host_cores"] >= 1
     assert env["host_memory_gib"] > 0 and 0 < env["process_rss_gib"] < env["host_memory_gib"]
     assert env["host_load_1m"] >= 0
+    assert env["code"] == code_version()
     assert report["setup"] == {
         "preset": "tiny-moe",
         "kind": "moe",
@@ -585,3 +598,23 @@ def test_the_console_script_names_the_cli_main():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     module, name = pyproject["project"]["scripts"]["ubatch-bench"].split(":")
     assert getattr(import_module(module), name) is main
+
+
+def test_a_report_names_the_code_it_measured(monkeypatch, tmp_path):
+    """From the checkout's git history, or from UBATCH_CODE_VERSION where a copied tree has none."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    monkeypatch.delenv(CODE_VERSION_ENV, raising=False)
+    if head.returncode == 0:
+        assert code_version().startswith(head.stdout.strip()[:7])
+    monkeypatch.setenv(CODE_VERSION_ENV, "abc1234")
+    assert code_version() == "abc1234"
+    monkeypatch.delenv(CODE_VERSION_ENV)
+    # an installed package inside someone else's repository: that repository's commit is not ours
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "another project"], check=True)
+    (tmp_path / "site-packages").mkdir()
+    monkeypatch.setattr(report_module.os.path, "abspath", lambda path: str(tmp_path / "site-packages" / "x.py"))
+    assert report_module.code_version() is None, "outside its own checkout it says nothing rather than guess"

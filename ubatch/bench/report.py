@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -16,6 +17,31 @@ import torch
 from ubatch.attention.backends import AttentionBackend, describe_backend
 
 _GIB = 1 << 30
+CODE_VERSION_ENV = "UBATCH_CODE_VERSION"  # set where the checkout has no git history (a copied tree)
+
+
+def code_version() -> str | None:
+    """The code a report measured: ``$UBATCH_CODE_VERSION`` if set, else ``git describe --always
+    --dirty`` of the checkout this package runs from; None where neither says (an installed wheel,
+    a copy without its history)."""
+    if os.environ.get(CODE_VERSION_ENV):
+        return os.environ[CODE_VERSION_ENV]
+    here = os.path.dirname(os.path.abspath(__file__))
+    top = _git(here, "rev-parse", "--show-toplevel")
+    mine = None if top is None else os.path.join(top, "ubatch", "bench")
+    if mine is None or not os.path.isdir(mine) or not os.path.samefile(mine, here):
+        return None  # not this package's own checkout (e.g. site-packages inside another repo)
+    return _git(here, "describe", "--always", "--dirty")
+
+
+def _git(cwd: str, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def environment(device: torch.device, world: int, attention: AttentionBackend) -> dict[str, Any]:
@@ -31,6 +57,7 @@ def environment(device: torch.device, world: int, attention: AttentionBackend) -
         "attention": describe_backend(attention),
         "world_size": world,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "code": code_version(),
         "host_cores": psutil.cpu_count(logical=True),
         "host_physical_cores": psutil.cpu_count(logical=False),
         "host_memory_gib": round(memory.total / _GIB, 2),
