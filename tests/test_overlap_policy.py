@@ -9,9 +9,10 @@ from tests.dist_utils import run_distributed
 from ubatch.bench.calibration import calibrated_mode_policy
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
-from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, shard_worlds, sweep_modes
+from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, sweep_modes
 from ubatch.bench.plot import plot_kernel_timeline
 from ubatch.bench.report import format_modes_table
+from ubatch.bench.roofline import shard_worlds
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model

@@ -29,11 +29,10 @@ import torch.distributed as dist
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain
-from ubatch.bench.roofline import roofline_fields
+from ubatch.bench.roofline import roofline_fields, shard_worlds
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
-from ubatch.models.layers import group_rank_world
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.sm import SMPartition
@@ -320,14 +319,6 @@ def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: 
         "capture_time_ms": {name: round(ms, 4) for name, ms in sweep["capture_time_ms"].items()},
         "runoff": sweep["runoff"],
     }
-
-
-def shard_worlds(model: Any) -> tuple[int, int]:
-    """(expert-parallel, tensor-parallel) world sizes ``model`` is sharded for: a step's roofline is
-    one rank's share of the work."""
-    ep_world = group_rank_world(getattr(next(moe_layers(model), None), "ep_group", None))[1]
-    tp_group = next((m.tp_group for m in model.modules() if getattr(m, "tp_group", None) is not None), None)
-    return ep_world, group_rank_world(tp_group)[1]
 
 
 def modes_report(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubatch.models.config import ModelConfig
-from ubatch.models.layers import check_divisible
+from ubatch.models.layers import check_divisible, group_rank_world
 
 # Datasheet figures (H200 SXM; device docs H200.md): leads, not ceilings.
 H200_HBM_GBPS_DATASHEET = 4800.0
@@ -238,3 +238,14 @@ def roofline_fields(
         "roofline_bound": roofline.bound,
         "roofline_fraction": round(roofline.fraction(measured_ms), 4),
     }
+
+
+def shard_worlds(model: Any) -> tuple[int, int]:
+    """(expert-parallel, tensor-parallel) world sizes ``model`` is sharded for, from the groups its
+    layers hold: a step's roofline is one rank's share of the work."""
+
+    def world(attr: str) -> int:
+        group = next((getattr(m, attr) for m in model.modules() if getattr(m, attr, None) is not None), None)
+        return group_rank_world(group)[1]
+
+    return world("ep_group"), world("tp_group")

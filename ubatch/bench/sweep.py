@@ -26,13 +26,12 @@ from ubatch.bench.modes import modes_report
 from ubatch.bench.options import MeasuredCapacityArg, model_overrides
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.report import environment, plot_title
-from ubatch.bench.roofline import roofline_fields
+from ubatch.bench.roofline import roofline_fields, shard_worlds
 from ubatch.bench.schedule import schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.fusion import fused_glue
-from ubatch.models.layers import group_rank_world
 from ubatch.sm import SMPartition
 from ubatch.teardown import import_before_init
 
@@ -96,7 +95,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         model = build_model(config, device=device, attn_backend=attention)
         return {**_generation_report(args, config, model, attention), "setup": setup}
     group = parse_link(args.link) if args.link else dist.group.WORLD if world > 1 else None
-    shards = group_rank_world(group)[1]
     model = build_model(
         config,
         device=device,
@@ -104,6 +102,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         tp_group=group if config.kind == "dense" else None,
         attn_backend=attention,
     )
+    ep_world, tp_world = shard_worlds(model)
     partition = SMPartition(args.sm_partition, args.comm_sms, device)
     if world > 1:
         partition.setup([group])
@@ -181,8 +180,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     step_at(tokens).attn_metadata[model.layer_names[0]],
                     m.baseline_ms,
                     device=device,
-                    ep_world=shards if config.kind == "moe" else 1,
-                    tp_world=shards if config.kind == "dense" else 1,
+                    ep_world=ep_world,
+                    tp_world=tp_world,
                 ),
             }
         )
