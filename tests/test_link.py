@@ -212,6 +212,14 @@ def test_collectives_reject_bad_tensors():
         link.all_reduce(torch.empty(3, device="meta"))
 
 
+def test_own_part_stream_must_be_a_cuda_stream():
+    link = HostLink(2)
+    x = torch.zeros(4)
+    for op in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        with pytest.raises(TypeError, match=f"{op}: own_part_stream must be a torch.cuda.Stream or None, got str"):
+            getattr(link, op)(torch.zeros(4), x, own_part_stream="stream")
+
+
 @pytest.mark.parametrize(
     "splits, match",
     [
@@ -423,7 +431,24 @@ def simulated_gpu(monkeypatch):
     monkeypatch.setattr(HostLink, "_is_cpu", lambda self: False)
     monkeypatch.setattr(link_module, "CALIBRATION_BYTES", (64 << 10, 256 << 10))
     monkeypatch.setattr(link_module, "named_stream", lambda device, role: Stream())  # no pool to alias
+    monkeypatch.setattr(link_module._CudaStaging, "_capture", _FakeGraph.capture)
     return gpu
+
+
+class _FakeGraph:
+    """A captured transfer for the simulated GPU: its replay enqueues the same copies and events
+    on the current stream, as a graph launch runs its nodes there."""
+
+    captured: list = []
+
+    def __init__(self, staging, src, dst, total):
+        self.replay = lambda: staging._enqueue(src, dst, total)
+
+    @staticmethod
+    def capture(staging, src, dst, total):
+        graph = _FakeGraph(staging, src, dst, total)
+        _FakeGraph.captured.append(graph)
+        return graph
 
 
 @pytest.mark.parametrize("world, bandwidth", [(2, None), (3, 0.1), (4, None)])  # 0.1: throttled (padded)
@@ -482,6 +507,57 @@ def test_cuda_throttle_pads_every_chunk_in_proportion(simulated_gpu, monkeypatch
     moved = x.nbytes // 2
     assert sum(padded) == sum(round(staging.pad_ratio * size) for _, size in chunk_plan(moved, moved, 64 << 10))
     assert len(padded) == (len(chunk_plan(moved, moved, 64 << 10)) if bandwidth else 0)
+
+
+def test_cuda_a_transfer_seen_again_is_captured_once_and_replayed(simulated_gpu, monkeypatch):
+    """The second sighting of a transfer between the same buffers captures it, later ones replay
+    that graph; new inputs in the same buffers still arrive, in every order; the cache is bounded."""
+    gpu = simulated_gpu
+    monkeypatch.setattr(_FakeGraph, "captured", [])
+    link = HostLink(2, None, device="cpu", chunk_bytes=64 << 10)
+    link.prepare("cpu")
+    staging = link._staging()
+    x = torch.empty(2, 40_000)
+    out = torch.empty_like(x)
+    for step in range(4):
+        x.copy_(torch.full_like(x, float(step)))
+        gpu.deferring = True
+        link.all_to_all_single(out, x)
+        gpu.deferring = False
+        gpu.run()
+        assert torch.equal(out, x)
+        assert len(_FakeGraph.captured) == (0 if step == 0 else 1)
+    assert len(staging.replays) == 1 and not staging.sightings
+    monkeypatch.setattr(link_module, "MAX_REPLAYS", 3)
+    buffers = [torch.zeros(2, 30_000) for _ in range(4)]
+    for b in buffers[:3] + buffers[:3] + buffers[3:] * 2:
+        link.all_reduce(b)
+    assert len(_FakeGraph.captured) == 5 and len(staging.replays) == 3
+    first = buffers[0].data_ptr()
+    assert not any(key[0] == first for key in staging.replays)  # the least recently used went
+
+
+@pytest.mark.parametrize("op", ["all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"])
+def test_cuda_own_part_goes_on_the_stream_given_and_nothing_else_does(simulated_gpu, op):
+    """The rank's own part (a same-device copy, a kernel) is queued on ``own_part_stream``, the
+    link's copies on the current stream and the side stream, and every order keeps the values."""
+    gpu = simulated_gpu
+    link = HostLink(2, None, device="cpu", chunk_bytes=64 << 10)
+    link.prepare("cpu")
+    link._staging()
+    producer = type(gpu.current)()
+    x = torch.randn(2, 30_000)
+    out = torch.zeros_like(x)
+    gpu.deferring = True
+    getattr(link, op)(out, x, own_part_stream=producer)
+    gpu.deferring = False
+    assert len(producer.queue) == 1
+    queued_elsewhere = sum(len(s.queue) for s in gpu.streams if s is not producer)
+    producer.queue[0][0]()  # the own part alone: the first row, nothing of the second
+    assert torch.equal(out[0], x[0]) and not out[1].any()
+    producer.queue.clear()
+    gpu.run()
+    assert torch.equal(out, x) and queued_elsewhere > 1
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
@@ -617,6 +693,25 @@ def test_cuda_an_input_dropped_after_an_async_start_still_arrives(capture):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("bandwidth", [None, 25.0])
+def test_cuda_an_eager_transfer_seen_again_is_replayed_from_its_graph(bandwidth):
+    """From the second sighting the same buffers' transfer is one graph launch; what it moves is
+    what the buffers hold at each call (20 MiB all-to-all, 24 MiB all-reduce: several chunks)."""
+    link = HostLink(2, bandwidth)
+    link.prepare()
+    x = torch.empty(4, 5 << 18, device="cuda")
+    out, reduced = torch.empty_like(x), torch.empty_like(x)
+    for _ in range(4):
+        x.normal_()
+        link.all_to_all_single(out, x)
+        reduced.copy_(x)
+        link.all_reduce(reduced)
+        torch.cuda.synchronize()
+        assert torch.equal(out, x) and torch.equal(reduced, x)
+    assert len(link._cuda.replays) == 2
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("bandwidth", [10.0, 25.0])
 @pytest.mark.parametrize("payload_mib", [2, 128])
 def test_cuda_throttle_reaches_the_set_bandwidth(bandwidth, payload_mib):
@@ -662,3 +757,35 @@ def test_link_bandwidth_script_table_and_cpu_exit(capsys):
     assert "-4% vs set" in out and "host-bound" in out
     if not torch.cuda.is_available():
         assert script.main([]) == 2
+
+
+@pytest.mark.cuda
+def test_cuda_inside_a_ubatch_the_own_part_is_copied_on_the_compute_stream(monkeypatch):
+    """On the comm stream the own part's copy kernel would wait for SMs behind a persistent GEMM
+    and hold up the link; ``ubatch.comm`` hands the stand-in the ubatch's compute stream."""
+    from ubatch import comm
+
+    link = HostLink(2, device="cuda")
+    link.prepare()
+    x = torch.randn(2, 1 << 16, device="cuda")
+    out = torch.zeros_like(x)
+    streams = {}
+    real_copy = torch.Tensor.copy_
+
+    def noting_copy(dst, src, non_blocking=False):
+        streams.setdefault(dst.data_ptr(), torch.cuda.current_stream())
+        return real_copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", noting_copy)
+    computes = []
+
+    def task():
+        computes.append(torch.cuda.current_stream())
+        comm.all_to_all_single(out, x, group=link)
+        return out.sum()
+
+    sched = UBatchScheduler(1, "cuda")
+    total = sched.run([task])[0]
+    torch.cuda.synchronize()
+    assert torch.equal(out, x) and torch.equal(total, x.sum())
+    assert streams[out.data_ptr()] == computes[0] != sched.comm_stream

@@ -42,9 +42,14 @@ issuing: contextvars.ContextVar[bool] = contextvars.ContextVar("ubatch_comm_issu
 """True while this module calls torch.distributed: ``ubatch.intercept`` leaves such calls alone."""
 
 
-def _call(op_name: str, group: Any, *args: Any, async_op: bool, **kwargs: Any) -> Any:
-    """torch.distributed's ``op_name`` over ``group``, or the link stand-in's method of that name."""
+def _call(op_name: str, group: Any, *args: Any, async_op: bool, producer: Any = None, **kwargs: Any) -> Any:
+    """torch.distributed's ``op_name`` over ``group``, or the link stand-in's method of that name.
+
+    ``producer``: the stream that made the input, where the stand-in copies the part of the
+    output that stays on the rank (see ``ubatch.link``); None for collectives without one."""
     if is_link(group):
+        if producer is not None:
+            kwargs["own_part_stream"] = producer
         return getattr(group, op_name)(*args, async_op=async_op, **kwargs)
     token = issuing.set(True)
     try:
@@ -105,9 +110,13 @@ class CollectiveHandle:
             self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
 
 
+Launch = Callable[[bool, Any, Any], Any]
+"""``launch(is_async, group, producer)``: start the collective; ``producer`` as in ``_call``."""
+
+
 def _run(
     op_name: str,
-    launch: Callable[[bool, Any], Any],
+    launch: Launch,
     local: Callable[[], None],
     group: Any,
     async_op: bool,
@@ -121,7 +130,7 @@ def _run(
 
 def _collective(
     op_name: str,
-    launch: Callable[[bool, Any], Any],
+    launch: Launch,
     local: Callable[[], None],
     group: Any,
     handle: CollectiveHandle | None,
@@ -136,11 +145,16 @@ def _collective(
             scheduler.yield_ubatch()
         return
     if ubatch is None:
-        work = launch(handle is not None, group)
+        work = launch(handle is not None, group, None)
         if handle is not None:
             handle.work = work
         return
-    start = functools.partial(ubatch.start_collective, op_name, lambda is_async: launch(is_async, group), timeout)
+    producer = ubatch.compute_stream
+
+    def start_on_comm_stream(is_async: bool) -> Any:
+        return launch(is_async, group, producer)
+
+    start = functools.partial(ubatch.start_collective, op_name, start_on_comm_stream, timeout)
     if handle is None:
         ubatch.finish_collective(start())
     else:
@@ -161,9 +175,16 @@ def all_to_all_single(
     _check_tensor("output", output)
     _check_tensor("input", input)
 
-    def launch(is_async: bool, group: Any) -> Any:
+    def launch(is_async: bool, group: Any, producer: Any) -> Any:
         return _call(
-            "all_to_all_single", group, output, input, output_split_sizes, input_split_sizes, async_op=is_async
+            "all_to_all_single",
+            group,
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+            async_op=is_async,
+            producer=producer,
         )
 
     def local() -> None:
@@ -188,8 +209,8 @@ def all_reduce(
     """``dist.all_reduce`` (in place), overlapped inside a ubatch."""
     _check_tensor("tensor", tensor)
 
-    def launch(is_async: bool, group: Any) -> Any:
-        return _call("all_reduce", group, tensor, op=op, async_op=is_async)
+    def launch(is_async: bool, group: Any, producer: Any) -> Any:
+        return _call("all_reduce", group, tensor, op=op, async_op=is_async)  # in place: no own part
 
     return _run("all_reduce", launch, lambda: None, group, async_op, timeout)
 
@@ -206,8 +227,8 @@ def all_gather_into_tensor(
     _check_tensor("output_tensor", output_tensor)
     _check_tensor("input_tensor", input_tensor)
 
-    def launch(is_async: bool, group: Any) -> Any:
-        return _call("all_gather_into_tensor", group, output_tensor, input_tensor, async_op=is_async)
+    def launch(is_async: bool, group: Any, producer: Any) -> Any:
+        return _call("all_gather_into_tensor", group, output_tensor, input_tensor, async_op=is_async, producer=producer)
 
     local = functools.partial(_local_copy, "all_gather_into_tensor", output_tensor, input_tensor)
     return _run("all_gather_into_tensor", launch, local, group, async_op, timeout)
@@ -226,8 +247,8 @@ def reduce_scatter_tensor(
     _check_tensor("output", output)
     _check_tensor("input", input)
 
-    def launch(is_async: bool, group: Any) -> Any:
-        return _call("reduce_scatter_tensor", group, output, input, op=op, async_op=is_async)
+    def launch(is_async: bool, group: Any, producer: Any) -> Any:
+        return _call("reduce_scatter_tensor", group, output, input, op=op, async_op=is_async, producer=producer)
 
     local = functools.partial(_local_copy, "reduce_scatter_tensor", output, input)
     return _run("reduce_scatter_tensor", launch, local, group, async_op, timeout)

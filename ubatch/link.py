@@ -22,8 +22,18 @@ CUDA: the moved bytes go device -> pinned host slot (D2H, on the caller's curren
 device (H2D, on a side stream), in chunks pipelined through a ring of pinned slots, so D2H and
 H2D run at once on their own copy engines; events order each slot's reuse. All work forks from
 and joins back to the current stream, needs no host sync and can be captured in a CUDA graph.
+Enqueueing a transfer costs the host ~0.1 ms per chunk (its copies and events), which a real
+link's launch does not: an eager collective over the link is host-bound where a piecewise graph
+replay runs it as an eager island. So an eager transfer between the same buffers (addresses
+and sizes fix every copy) is captured as a CUDA graph the second time it is seen and replayed
+from then on, one graph launch (``MAX_REPLAYS`` kept).
 A collective's tensors stay reserved until its transfer is done (``record_stream``, as a process
 group keeps them), so a caller may drop an input right after an async start.
+The part of an all-to-all (or gather / scatter) that stays on the rank is a same-device copy, and
+that is a kernel: on the comm stream it would wait for free SMs behind whatever kernel holds them
+all (a persistent grouped GEMM) and hold up every transfer queued after it, so a collective takes
+``own_part_stream``, the stream to copy that part on (``ubatch.comm`` passes the one that produced
+the input).
 The all-to-all and gather / scatter outputs are written by the transfer itself, so a consumer
 that does not wait for the collective reads stale data, as it would over a real link. The first
 use outside a capture (or ``prepare()``) allocates the ring and side stream and calibrates: it
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -68,6 +79,8 @@ CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() r
 CALIBRATION_REPEATS = 4
 HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
 MAX_PAD_CHUNKS = 16  # the padding scratch buffers hold at most this many chunks
+REPLAY_AFTER = 2  # an eager transfer between the same buffers is captured as a graph at this sighting
+MAX_REPLAYS = 64  # captured transfers kept (least recently used dropped first)
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -188,6 +201,8 @@ class _CudaStaging:
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
         self.last_stream: Any = None
+        self.sightings: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self.replays: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.pad_ratio = 0.0  # padding bytes the D2H engine copies per byte moved
         self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
         self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
@@ -209,12 +224,12 @@ class _CudaStaging:
         stream = named_stream(self.device, "link-calibration")
         with torch.cuda.stream(stream):
             scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            self.round_trip(scratch, scratch, nbytes)
+            self._enqueue(scratch, scratch, nbytes)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(HOLD_CYCLES)
             start.record()
             for _ in range(CALIBRATION_REPEATS):
-                self.round_trip(scratch, scratch, nbytes)
+                self._enqueue(scratch, scratch, nbytes)
             end.record()
             end.synchronize()
         return CALIBRATION_REPEATS * nbytes / max(start.elapsed_time(end) / 1e3, 1e-9) / 1e9
@@ -231,14 +246,60 @@ class _CudaStaging:
     def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
         """Move ``total`` bytes from byte buffer ``src`` through pinned memory into ``dst`` (the
         same length; the same buffer for an in-place round trip), going round it again while
-        bytes remain, all ordered on the current stream."""
-        pieces = chunk_plan(total, src.numel(), self.chunk_bytes)
-        if not pieces:
+        bytes remain, all ordered on the current stream: captured into the graph being captured,
+        else replayed from a graph of the same transfer, else enqueued copy by copy."""
+        if total == 0:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            self._enqueue(src, dst, total)
             return
         current = torch.cuda.current_stream(self.device)
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing and self.last_stream is not None and self.last_stream != current:
+        if self.last_stream is not None and self.last_stream != current:
             current.wait_event(self.done)  # the previous collective's stream still owns the ring
+        graph = self._replay_of(src, dst, total)
+        if graph is None:
+            self._enqueue(src, dst, total)
+        else:
+            graph.replay()
+        self.done.record(current)
+        self.last_stream = current
+
+    def _replay_of(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> Any:
+        """The captured graph of this transfer, captured now at its ``REPLAY_AFTER``-th sighting;
+        None before that."""
+        key = (src.data_ptr(), dst.data_ptr(), src.numel(), total)
+        graph = self.replays.get(key)
+        if graph is not None:
+            self.replays.move_to_end(key)
+            return graph
+        seen = self.sightings.pop(key, 0) + 1
+        if seen < REPLAY_AFTER:
+            self.sightings[key] = seen
+            while len(self.sightings) > MAX_REPLAYS:
+                self.sightings.popitem(last=False)
+            return None
+        graph = self._capture(src, dst, total)
+        self.replays[key] = graph
+        while len(self.replays) > MAX_REPLAYS:
+            self.replays.popitem(last=False)
+        return graph
+
+    def _capture(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> Any:
+        """A CUDA graph of the transfer's copies and events (it allocates nothing), captured on a
+        stream of its own without running them."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(named_stream(self.device, "link-capture")):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._enqueue(src, dst, total)
+            finally:
+                graph.capture_end()
+        return graph
+
+    def _enqueue(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
+        """The transfer's copies, chunk by chunk through the ring, on the current stream."""
+        current = torch.cuda.current_stream(self.device)
+        pieces = chunk_plan(total, src.numel(), self.chunk_bytes)
         for k, (offset, size) in enumerate(pieces):
             j = k % RING_SLOTS
             slot = self.slots[j][:size]
@@ -251,10 +312,8 @@ class _CudaStaging:
             with torch.cuda.stream(self.side):
                 dst[offset : offset + size].copy_(slot, non_blocking=True)
             self.drained[j].record(self.side)
-        current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
-        if not capturing:
-            self.done.record(current)
-            self.last_stream = current
+        if pieces:
+            current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
 
 
 class HostLink:
@@ -342,9 +401,12 @@ class HostLink:
         output_split_sizes: Sequence[int] | None = None,
         input_split_sizes: Sequence[int] | None = None,
         async_op: bool = False,
+        *,
+        own_part_stream: torch.cuda.Stream | None = None,
     ) -> LinkWork | None:
         """output = input; moves the rows addressed to the other W - 1 ranks. A world of one
-        receives what it sent, so the output splits must equal the input splits."""
+        receives what it sent, so the output splits must equal the input splits. The rows it
+        addresses to itself are copied on ``own_part_stream`` (None: the current stream)."""
         op = "all_to_all_single"
         self._check_pair(op, output, input, async_op)
         if input.dim() == 0:
@@ -363,7 +425,7 @@ class HostLink:
                 f"equal input_split_sizes, got {received} and {sent}"
             )
         own = sent[0] * (input.nbytes // rows if rows else 0)
-        return self._exchange(op, output, input, own, async_op)
+        return self._exchange(op, output, input, own, async_op, own_part_stream)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> LinkWork | None:
         """The tensor unchanged (any reduction over one rank); moves 2(W-1)/W of it (a ring)."""
@@ -382,21 +444,36 @@ class HostLink:
         return self._cuda_work(name, moved, async_op)
 
     def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        *,
+        own_part_stream: torch.cuda.Stream | None = None,
     ) -> LinkWork | None:
-        """output = input (one rank's gather: equal sizes); moves (W-1)/W of the buffer."""
-        return self._one_rank_copy("all_gather_into_tensor", output, input, async_op)
+        """output = input (one rank's gather: equal sizes); moves (W-1)/W of the buffer, the
+        rank's own 1/W copied on ``own_part_stream`` (None: the current stream)."""
+        return self._one_rank_copy("all_gather_into_tensor", output, input, async_op, own_part_stream)
 
     def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        async_op: bool = False,
+        *,
+        own_part_stream: torch.cuda.Stream | None = None,
     ) -> LinkWork | None:
-        """output = input (one rank's scatter: equal sizes); moves (W-1)/W of the buffer."""
+        """output = input (one rank's scatter: equal sizes); moves (W-1)/W of the buffer, the
+        rank's own 1/W copied on ``own_part_stream`` (None: the current stream)."""
         _check_reduce_op("reduce_scatter_tensor", op)
-        return self._one_rank_copy("reduce_scatter_tensor", output, input, async_op)
+        return self._one_rank_copy("reduce_scatter_tensor", output, input, async_op, own_part_stream)
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _one_rank_copy(self, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> LinkWork | None:
+    def _one_rank_copy(
+        self, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool, own_part_stream: Any
+    ) -> LinkWork | None:
         self._check_pair(op, output, input, async_op)
         if output.numel() != input.numel():
             raise ValueError(
@@ -404,13 +481,15 @@ class HostLink:
                 f"got {output.numel()} and {input.numel()} elements"
             )
         own = input.numel() // self.world_size * input.element_size()
-        return self._exchange(op, output, input, own, async_op)
+        return self._exchange(op, output, input, own, async_op, own_part_stream)
 
     def _exchange(
-        self, op: str, output: torch.Tensor, input: torch.Tensor, own: int, async_op: bool
+        self, op: str, output: torch.Tensor, input: torch.Tensor, own: int, async_op: bool, own_part_stream: Any
     ) -> LinkWork | None:
-        """output = input: ``own`` leading bytes copied on the device, the rest over the link."""
+        """output = input: ``own`` leading bytes copied on the device (on ``own_part_stream``),
+        the rest over the link."""
         moved = input.nbytes - own
+        _check_own_part_stream(op, own_part_stream, self.device)
         if self._is_cpu():
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view(output.shape))
@@ -418,7 +497,8 @@ class HostLink:
         with torch.cuda.device(self.device):
             src, dst = _bytes(input), _bytes(output)
             if own and output.data_ptr() != input.data_ptr():
-                dst[:own].copy_(src[:own])
+                with torch.cuda.stream(own_part_stream or torch.cuda.current_stream()):
+                    dst[:own].copy_(src[:own])
             self._staging().round_trip(src[own:], dst[own:], moved)
             _in_use_until_done(input, output)
         return self._cuda_work(op, moved, async_op)
@@ -505,6 +585,15 @@ def _check_reduce_op(op: str, reduce_op: Any) -> None:
             f"{op}: HostLink supports the reductions that are the identity over one rank "
             f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}"
         )
+
+
+def _check_own_part_stream(op: str, stream: Any, device: torch.device) -> None:
+    if stream is None:
+        return
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"{op}: own_part_stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if device.type == "cuda" and stream.device != device:
+        raise ValueError(f"{op}: own_part_stream is on {stream.device}, the link on {device}")
 
 
 def _in_use_until_done(*tensors: torch.Tensor) -> None:
