@@ -427,6 +427,7 @@ def simulated_gpu(monkeypatch):
     ).items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(link_module, "registered_host_buffer", lambda n: real_empty(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(HostLink, "_is_cpu", lambda self: False)
     monkeypatch.setattr(link_module, "CALIBRATION_BYTES", (64 << 10, 256 << 10))
@@ -709,6 +710,36 @@ def test_cuda_an_eager_transfer_seen_again_is_replayed_from_its_graph(bandwidth)
         torch.cuda.synchronize()
         assert torch.equal(out, x) and torch.equal(reduced, x)
     assert len(link._cuda.replays) == 2
+
+
+@pytest.mark.cuda
+def test_cuda_replays_go_on_after_captured_transfers_are_dropped(monkeypatch):
+    """Captured transfers evicted from the cache (two kept here) while the link and its ring live
+    on, then a FULL capture over the same ring, an emptied cache and more replays: every value
+    still arrives (replays after an eviction crashed in cudaGraphLaunch with a ring from torch's
+    pinned-memory allocator)."""
+    monkeypatch.setattr(link_module, "MAX_REPLAYS", 2)
+    link = HostLink(2, 25.0)
+    link.prepare()
+    buffers = [torch.randn(2, 1 << 19, device="cuda") for _ in range(5)]
+    outs = [torch.empty_like(b) for b in buffers]
+    for _ in range(3):
+        for b, out in zip(buffers, outs, strict=True):
+            link.all_to_all_single(out, b)
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, b) for b, out in zip(buffers, outs, strict=True))
+    assert len(link._cuda.replays) == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        link.all_to_all_single(outs[0], buffers[0])
+    del buffers[1:3], outs[1:3]
+    torch.cuda.empty_cache()
+    for b, out in zip(buffers, outs, strict=True):
+        b.normal_()
+        link.all_to_all_single(out, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, b) for b, out in zip(buffers, outs, strict=True))
 
 
 @pytest.mark.cuda

@@ -58,7 +58,9 @@ any CUDA graph that captured it. An eager collective on a new stream waits for t
 from __future__ import annotations
 
 import math
+import mmap
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
@@ -195,8 +197,8 @@ class _CudaStaging:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.side = named_stream(device, "link-copy")
-        ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
-        self.slots = [ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
+        self.ring = registered_host_buffer(RING_SLOTS * chunk_bytes)
+        self.slots = [self.ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # D2H of the slot done
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
@@ -211,7 +213,7 @@ class _CudaStaging:
             # One padding copy per chunk up to 16 chunks' worth: launches are the eager path's cost.
             pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio))
             self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=device)
-            self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
+            self.pad_dst = registered_host_buffer(pad_bytes)
             # One correction from a padded measurement: padding shares the engine's per-copy costs.
             self.pad_ratio = (1 + self.pad_ratio) * self._measure(CALIBRATION_BYTES[-1]) / bandwidth_gbps - 1
         self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
@@ -585,6 +587,24 @@ def _check_reduce_op(op: str, reduce_op: Any) -> None:
             f"{op}: HostLink supports the reductions that are the identity over one rank "
             f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}"
         )
+
+
+def registered_host_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory that the CUDA driver knows and torch's pinned-memory
+    allocator does not (a CPU tensor registered with ``cudaHostRegister``, unregistered when the
+    tensor is collected). torch 2.11's allocator ties pinned blocks that a capture's copies use to
+    that graph's memory pool; the link's captured transfers come and go while its ring stays, and
+    replays after one was dropped crashed in cudaGraphLaunch."""
+    page = mmap.PAGESIZE
+    raw = torch.empty(nbytes + page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    buffer = raw[start : start + nbytes]
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error {int(error)}")
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 def _check_own_part_stream(op: str, stream: Any, device: torch.device) -> None:
