@@ -427,29 +427,11 @@ def simulated_gpu(monkeypatch):
     ).items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
-    monkeypatch.setattr(link_module, "registered_host_buffer", lambda n: real_empty(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(HostLink, "_is_cpu", lambda self: False)
     monkeypatch.setattr(link_module, "CALIBRATION_BYTES", (64 << 10, 256 << 10))
     monkeypatch.setattr(link_module, "named_stream", lambda device, role: Stream())  # no pool to alias
-    monkeypatch.setattr(link_module._CudaStaging, "_capture", _FakeGraph.capture)
     return gpu
-
-
-class _FakeGraph:
-    """A captured transfer for the simulated GPU: its replay enqueues the same copies and events
-    on the current stream, as a graph launch runs its nodes there."""
-
-    captured: list = []
-
-    def __init__(self, staging, src, dst, total):
-        self.replay = lambda: staging._enqueue(src, dst, total)
-
-    @staticmethod
-    def capture(staging, src, dst, total):
-        graph = _FakeGraph(staging, src, dst, total)
-        _FakeGraph.captured.append(graph)
-        return graph
 
 
 @pytest.mark.parametrize("world, bandwidth", [(2, None), (3, 0.1), (4, None)])  # 0.1: throttled (padded)
@@ -508,34 +490,6 @@ def test_cuda_throttle_pads_every_chunk_in_proportion(simulated_gpu, monkeypatch
     moved = x.nbytes // 2
     assert sum(padded) == sum(round(staging.pad_ratio * size) for _, size in chunk_plan(moved, moved, 64 << 10))
     assert len(padded) == (len(chunk_plan(moved, moved, 64 << 10)) if bandwidth else 0)
-
-
-def test_cuda_a_transfer_seen_again_is_captured_once_and_replayed(simulated_gpu, monkeypatch):
-    """The second sighting of a transfer between the same buffers captures it, later ones replay
-    that graph; new inputs in the same buffers still arrive, in every order; the cache is bounded."""
-    gpu = simulated_gpu
-    monkeypatch.setattr(_FakeGraph, "captured", [])
-    link = HostLink(2, None, device="cpu", chunk_bytes=64 << 10)
-    link.prepare("cpu")
-    staging = link._staging()
-    x = torch.empty(2, 40_000)
-    out = torch.empty_like(x)
-    for step in range(4):
-        x.copy_(torch.full_like(x, float(step)))
-        gpu.deferring = True
-        link.all_to_all_single(out, x)
-        gpu.deferring = False
-        gpu.run()
-        assert torch.equal(out, x)
-        assert len(_FakeGraph.captured) == (0 if step == 0 else 1)
-    assert len(staging.replays) == 1 and not staging.sightings
-    monkeypatch.setattr(link_module, "MAX_REPLAYS", 3)
-    buffers = [torch.zeros(2, 30_000) for _ in range(4)]
-    for b in buffers[:3] + buffers[:3] + buffers[3:] * 2:
-        link.all_reduce(b)
-    assert len(_FakeGraph.captured) == 5 and len(staging.replays) == 3
-    first = buffers[0].data_ptr()
-    assert not any(key[0] == first for key in staging.replays)  # the least recently used went
 
 
 @pytest.mark.parametrize("op", ["all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"])
@@ -691,55 +645,6 @@ def test_cuda_an_input_dropped_after_an_async_start_still_arrives(capture):
         step()
     torch.cuda.synchronize()
     assert torch.equal(out, sent)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("bandwidth", [None, 25.0])
-def test_cuda_an_eager_transfer_seen_again_is_replayed_from_its_graph(bandwidth):
-    """From the second sighting the same buffers' transfer is one graph launch; what it moves is
-    what the buffers hold at each call (20 MiB all-to-all, 24 MiB all-reduce: several chunks)."""
-    link = HostLink(2, bandwidth)
-    link.prepare()
-    x = torch.empty(4, 5 << 18, device="cuda")
-    out, reduced = torch.empty_like(x), torch.empty_like(x)
-    for _ in range(4):
-        x.normal_()
-        link.all_to_all_single(out, x)
-        reduced.copy_(x)
-        link.all_reduce(reduced)
-        torch.cuda.synchronize()
-        assert torch.equal(out, x) and torch.equal(reduced, x)
-    assert len(link._cuda.replays) == 2
-
-
-@pytest.mark.cuda
-def test_cuda_replays_go_on_after_captured_transfers_are_dropped(monkeypatch):
-    """Captured transfers evicted from the cache (two kept here) while the link and its ring live
-    on, then a FULL capture over the same ring, an emptied cache and more replays: every value
-    still arrives (replays after an eviction crashed in cudaGraphLaunch with a ring from torch's
-    pinned-memory allocator)."""
-    monkeypatch.setattr(link_module, "MAX_REPLAYS", 2)
-    link = HostLink(2, 25.0)
-    link.prepare()
-    buffers = [torch.randn(2, 1 << 19, device="cuda") for _ in range(5)]
-    outs = [torch.empty_like(b) for b in buffers]
-    for _ in range(3):
-        for b, out in zip(buffers, outs, strict=True):
-            link.all_to_all_single(out, b)
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, b) for b, out in zip(buffers, outs, strict=True))
-    assert len(link._cuda.replays) == 2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        link.all_to_all_single(outs[0], buffers[0])
-    del buffers[1:3], outs[1:3]
-    torch.cuda.empty_cache()
-    for b, out in zip(buffers, outs, strict=True):
-        b.normal_()
-        link.all_to_all_single(out, b)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, b) for b, out in zip(buffers, outs, strict=True))
 
 
 @pytest.mark.cuda

@@ -22,11 +22,6 @@ CUDA: the moved bytes go device -> pinned host slot (D2H, on the caller's curren
 device (H2D, on a side stream), in chunks pipelined through a ring of pinned slots, so D2H and
 H2D run at once on their own copy engines; events order each slot's reuse. All work forks from
 and joins back to the current stream, needs no host sync and can be captured in a CUDA graph.
-Enqueueing a transfer costs the host ~0.1 ms per chunk (its copies and events), which a real
-link's launch does not: an eager collective over the link is host-bound where a piecewise graph
-replay runs it as an eager island. So an eager transfer between the same buffers (addresses
-and sizes fix every copy) is captured as a CUDA graph the second time it is seen and replayed
-from then on, one graph launch (``MAX_REPLAYS`` kept).
 A collective's tensors stay reserved until its transfer is done (``record_stream``, as a process
 group keeps them), so a caller may drop an input right after an async start.
 The part of an all-to-all (or gather / scatter) that stays on the rank is a same-device copy, and
@@ -58,10 +53,7 @@ any CUDA graph that captured it. An eager collective on a new stream waits for t
 from __future__ import annotations
 
 import math
-import mmap
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -81,8 +73,6 @@ CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() r
 CALIBRATION_REPEATS = 4
 HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
 MAX_PAD_CHUNKS = 16  # the padding scratch buffers hold at most this many chunks
-REPLAY_AFTER = 2  # an eager transfer between the same buffers is captured as a graph at this sighting
-MAX_REPLAYS = 64  # captured transfers kept (least recently used dropped first)
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -197,14 +187,12 @@ class _CudaStaging:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.side = named_stream(device, "link-copy")
-        self.ring = registered_host_buffer(RING_SLOTS * chunk_bytes)
-        self.slots = [self.ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
+        ring = torch.empty(RING_SLOTS * chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        self.slots = [ring[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(RING_SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # D2H of the slot done
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
         self.last_stream: Any = None
-        self.sightings: OrderedDict[tuple[int, ...], int] = OrderedDict()
-        self.replays: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.pad_ratio = 0.0  # padding bytes the D2H engine copies per byte moved
         self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
         self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
@@ -213,7 +201,7 @@ class _CudaStaging:
             # One padding copy per chunk up to 16 chunks' worth: launches are the eager path's cost.
             pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio))
             self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=device)
-            self.pad_dst = registered_host_buffer(pad_bytes)
+            self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
             # One correction from a padded measurement: padding shares the engine's per-copy costs.
             self.pad_ratio = (1 + self.pad_ratio) * self._measure(CALIBRATION_BYTES[-1]) / bandwidth_gbps - 1
         self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
@@ -226,12 +214,12 @@ class _CudaStaging:
         stream = named_stream(self.device, "link-calibration")
         with torch.cuda.stream(stream):
             scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            self._enqueue(scratch, scratch, nbytes)
+            self.round_trip(scratch, scratch, nbytes)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(HOLD_CYCLES)
             start.record()
             for _ in range(CALIBRATION_REPEATS):
-                self._enqueue(scratch, scratch, nbytes)
+                self.round_trip(scratch, scratch, nbytes)
             end.record()
             end.synchronize()
         return CALIBRATION_REPEATS * nbytes / max(start.elapsed_time(end) / 1e3, 1e-9) / 1e9
@@ -248,60 +236,14 @@ class _CudaStaging:
     def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
         """Move ``total`` bytes from byte buffer ``src`` through pinned memory into ``dst`` (the
         same length; the same buffer for an in-place round trip), going round it again while
-        bytes remain, all ordered on the current stream: captured into the graph being captured,
-        else replayed from a graph of the same transfer, else enqueued copy by copy."""
-        if total == 0:
-            return
-        if torch.cuda.is_current_stream_capturing():
-            self._enqueue(src, dst, total)
-            return
-        current = torch.cuda.current_stream(self.device)
-        if self.last_stream is not None and self.last_stream != current:
-            current.wait_event(self.done)  # the previous collective's stream still owns the ring
-        graph = self._replay_of(src, dst, total)
-        if graph is None:
-            self._enqueue(src, dst, total)
-        else:
-            graph.replay()
-        self.done.record(current)
-        self.last_stream = current
-
-    def _replay_of(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> Any:
-        """The captured graph of this transfer, captured now at its ``REPLAY_AFTER``-th sighting;
-        None before that."""
-        key = (src.data_ptr(), dst.data_ptr(), src.numel(), total)
-        graph = self.replays.get(key)
-        if graph is not None:
-            self.replays.move_to_end(key)
-            return graph
-        seen = self.sightings.pop(key, 0) + 1
-        if seen < REPLAY_AFTER:
-            self.sightings[key] = seen
-            while len(self.sightings) > MAX_REPLAYS:
-                self.sightings.popitem(last=False)
-            return None
-        graph = self._capture(src, dst, total)
-        self.replays[key] = graph
-        while len(self.replays) > MAX_REPLAYS:
-            self.replays.popitem(last=False)
-        return graph
-
-    def _capture(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> Any:
-        """A CUDA graph of the transfer's copies and events (it allocates nothing), captured on a
-        stream of its own without running them."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(named_stream(self.device, "link-capture")):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._enqueue(src, dst, total)
-            finally:
-                graph.capture_end()
-        return graph
-
-    def _enqueue(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
-        """The transfer's copies, chunk by chunk through the ring, on the current stream."""
-        current = torch.cuda.current_stream(self.device)
+        bytes remain, all ordered on the current stream."""
         pieces = chunk_plan(total, src.numel(), self.chunk_bytes)
+        if not pieces:
+            return
+        current = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and self.last_stream is not None and self.last_stream != current:
+            current.wait_event(self.done)  # the previous collective's stream still owns the ring
         for k, (offset, size) in enumerate(pieces):
             j = k % RING_SLOTS
             slot = self.slots[j][:size]
@@ -314,8 +256,10 @@ class _CudaStaging:
             with torch.cuda.stream(self.side):
                 dst[offset : offset + size].copy_(slot, non_blocking=True)
             self.drained[j].record(self.side)
-        if pieces:
-            current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
+        current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
+        if not capturing:
+            self.done.record(current)
+            self.last_stream = current
 
 
 class HostLink:
@@ -587,24 +531,6 @@ def _check_reduce_op(op: str, reduce_op: Any) -> None:
             f"{op}: HostLink supports the reductions that are the identity over one rank "
             f"(SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR), got {reduce_op!r}"
         )
-
-
-def registered_host_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory that the CUDA driver knows and torch's pinned-memory
-    allocator does not (a CPU tensor registered with ``cudaHostRegister``, unregistered when the
-    tensor is collected). torch 2.11's allocator ties pinned blocks that a capture's copies use to
-    that graph's memory pool; the link's captured transfers come and go while its ring stays, and
-    replays after one was dropped crashed in cudaGraphLaunch."""
-    page = mmap.PAGESIZE
-    raw = torch.empty(nbytes + page, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    buffer = raw[start : start + nbytes]
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-    if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error {int(error)}")
-    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
 
 
 def _check_own_part_stream(op: str, stream: Any, device: torch.device) -> None:
