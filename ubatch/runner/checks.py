@@ -1,6 +1,7 @@
-"""What the runner refuses before it serves: bad counts, a model whose vocabulary disagrees with
-its config, prompts and limits of the wrong type, DP groups that leave expert-parallel peers out,
-and drafters that would run collectives."""
+"""What the runner refuses: before it serves, bad counts and policy options, a model whose
+vocabulary disagrees with its config, prompts and limits of the wrong type, requests too long to
+serve, DP groups that leave expert-parallel peers out, and drafters that would run collectives;
+after each step, MoE layers that dropped assignments."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ubatch.models import Decoder, ModelConfig
+from ubatch.policy import ModePolicy, SplitPolicy
+from ubatch.runner.scheduling import RequestScheduler
 
 
 def check_count(name: str, value: Any) -> None:
@@ -20,6 +23,21 @@ def check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_options(
+    split_policy: SplitPolicy | None, mode_policy: ModePolicy | None, num_ubatches: int, timeout_s: float
+) -> None:
+    """ValueError / TypeError for a split policy beside a mode policy, a timeout that is not
+    positive, or a split policy without ``decide(num_tokens)`` or without ubatches to split into."""
+    if mode_policy is not None and split_policy is not None:
+        raise ValueError("give a split_policy or a mode policy (overlap_mode=ModePolicy), not both")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
+        raise TypeError(f"split_policy must have a decide(num_tokens) method, got {split_policy!r}")
+    if split_policy is not None and num_ubatches < 2:
+        raise ValueError(f"split_policy needs num_ubatches >= 2, got {num_ubatches}")
 
 
 def per_prompt_limits(prompts: Any, max_new_tokens: Any) -> list[Any]:
@@ -68,6 +86,27 @@ def checked_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int
     return prompt
 
 
+def checked_request(
+    prompt_token_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    scheduler: RequestScheduler,
+) -> list[int]:
+    """The prompt as ``checked_prompt`` gives it, once the request is known to fit both
+    ``max_model_len`` and the KV cache on its own."""
+    prompt = checked_prompt(prompt_token_ids, vocab_size)
+    check_count("max_new_tokens", max_new_tokens)
+    scheduler.check_fits(len(prompt), max_new_tokens)
+    if len(prompt) + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"request too long for max_model_len={max_model_len}: prompt of {len(prompt)} tokens + "
+            f"max_new_tokens={max_new_tokens}"
+        )
+    return prompt
+
+
 def check_vocab(model: Decoder, config: ModelConfig) -> None:
     """The runner checks token ids against ``config.vocab_size`` and samples from the model's
     logits: both must agree with the model's embedding and output rows, or a token id past the
@@ -86,6 +125,20 @@ def check_vocab(model: Decoder, config: ModelConfig) -> None:
             f"the model's vocabulary does not match its config: {found}; build the model from "
             f"the config passed to the runner"
         )
+
+
+def check_dp_group(dp_group: Any, model: Decoder, ep_world: int) -> None:
+    """A ``dp_group`` needs torch.distributed up and must cover the expert-parallel peers; an
+    expert-parallel model needs one, so every rank runs every step with the same token count."""
+    if dp_group is not None and not dist.is_initialized():
+        raise ValueError("dp_group was given but torch.distributed is not initialized")
+    if dp_group is None and ep_world > 1:
+        raise ValueError(
+            f"the model is expert-parallel over {ep_world} ranks: pass dp_group so that every "
+            f"rank runs every step with the same token count"
+        )
+    if dp_group is not None:
+        check_dp_covers_ep(dp_group, getattr(model, "moe_layers", {}).values())
 
 
 def check_dp_covers_ep(dp_group: Any, moe_layers: Any) -> None:
@@ -138,3 +191,21 @@ def check_drafter(
 def is_local(model: Decoder) -> bool:
     """Whether ``model`` runs without collectives (no tensor- or expert-parallel group)."""
     return all(getattr(m, "tp_group", None) is None and getattr(m, "ep_group", None) is None for m in model.modules())
+
+
+def check_moe_overflow(model: Decoder, capacity_factor: float | None) -> None:
+    """RuntimeError naming every MoE layer that dropped assignments this step (counters are
+    reset first, so the runner stays usable)."""
+    counters = model.overflow_counters()
+    if not counters:
+        return
+    counts = torch.stack(list(counters.values())).tolist()
+    for counter in counters.values():
+        counter.zero_()
+    overflowed = [f"{name}: {count}" for name, count in zip(counters, counts) if count]
+    if overflowed:
+        raise RuntimeError(
+            f"MoE capacity overflow (capacity_factor={capacity_factor}): dropped "
+            f"(token, expert) assignments per layer: {', '.join(overflowed)}; raise "
+            f"capacity_factor or set it to None"
+        )

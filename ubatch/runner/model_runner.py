@@ -6,11 +6,8 @@ build inputs -> execute -> sample -> update, each its own method. With
 fits (FULL for decode steps, unsplit or ubatched; PIECEWISE for the rest); otherwise the eager
 model call sits behind ``execute_model`` alone.
 
-Speculative decoding (``draft_model`` and ``num_speculative_tokens`` k): each decoding request
-is scheduled with room for k more tokens, a ``DraftModel`` proposes them, and the target
-verifies all k + 1 positions in the one step (prefill chunks may share it); greedy acceptance
-keeps the output exactly the target's own greedy decoding. Ubatched verification splits on
-request boundaries, so every request's k + 1 tokens stay in one ubatch.
+Speculative decoding (``draft_model`` and ``num_speculative_tokens`` k; see ``drafting``):
+the target verifies a drafter's k proposals per decoding request in the one step.
 
 Data parallelism (``dp_group``): every rank has its own runner and schedules its own requests;
 every step every rank, idle ones too, agrees with the others through
@@ -33,32 +30,29 @@ import torch.distributed as dist
 
 from ubatch.attention import PagedKVCache
 from ubatch.context import CUDAGraphMode, set_forward_context, static_collectives
-from ubatch.cudagraph import BatchExecutionDescriptor, sizes_with_multiples
 from ubatch.dp import DPBatchDecision, coordinate_batch_across_dp, dp_cpu_group, local_batch_decision
-from ubatch.graphed import GraphedModel
 from ubatch.models import Decoder, ModelConfig
 from ubatch.overlap import OverlapMode, apply_mode
 from ubatch.policy import ModePolicy, SplitPolicy
-from ubatch.runner.batch import BatchInputs, Chunk, Request, StepOutput, build_batch_inputs
+from ubatch.runner.batch import BatchInputs, Chunk, StepOutput, build_batch_inputs
 from ubatch.runner.checks import (
     check_count,
-    check_dp_covers_ep,
-    check_drafter,
+    check_dp_group,
+    check_moe_overflow,
+    check_options,
     check_vocab,
-    checked_prompt,
+    checked_request,
     per_prompt_limits,
 )
-from ubatch.runner.modes import (
-    ServingMode,
-    check_same_modes_across_dp,
-    most_tokens_across_dp,
-    resolve_modes,
-    serving_mode,
-)
+from ubatch.runner.drafting import forget_drafts, make_drafter, with_drafts
+from ubatch.runner.graphs import make_graphs, plan_graph, propose_graph
+from ubatch.runner.modes import check_same_modes_across_dp, most_tokens_across_dp, resolve_modes, serving_mode
 from ubatch.runner.scheduling import RequestScheduler
+from ubatch.runner.update import update_requests
+from ubatch.runner.warmup import warmup_requests
 from ubatch.scheduler import DEFAULT_TIMEOUT_S
 from ubatch.slicing import UBatchSlice, split_batch
-from ubatch.spec import DraftModel, DraftRequest, SpecStats, accept_greedy
+from ubatch.spec import SpecStats
 
 
 class ModelRunner:
@@ -114,14 +108,7 @@ class ModelRunner:
         if max_model_len is not None:
             check_count("max_model_len", max_model_len)
         modes, self._mode_policy = resolve_modes(overlap_mode, num_ubatches)
-        if self._mode_policy is not None and split_policy is not None:
-            raise ValueError("give a split_policy or a mode policy (overlap_mode=ModePolicy), not both")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        if split_policy is not None and not callable(getattr(split_policy, "decide", None)):
-            raise TypeError(f"split_policy must have a decide(num_tokens) method, got {split_policy!r}")
-        if split_policy is not None and num_ubatches < 2:
-            raise ValueError(f"split_policy needs num_ubatches >= 2, got {num_ubatches}")
+        check_options(split_policy, self._mode_policy, num_ubatches, timeout_s)
         check_vocab(model, config)
         self.model = model
         self.config = config
@@ -140,7 +127,17 @@ class ModelRunner:
         self._serving = {mode.name: serving_mode(model, mode, self.device, timeout_s) for mode in modes}
         self.bind_kv_cache()
         self.max_model_len = max_model_len or num_kv_blocks * block_size
-        self.drafter = self._make_drafter(draft_model, num_speculative_tokens, cudagraph_capture_sizes)
+        self.drafter = make_drafter(
+            draft_model,
+            num_speculative_tokens,
+            config=config,
+            device=self.device,
+            dp_group=self._dp_group,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            capture_sizes=cudagraph_capture_sizes,
+            max_blocks_per_req=self._max_blocks_per_req,
+        )
         self.num_speculative_tokens = num_speculative_tokens or 0
         self.spec_stats = SpecStats()
         self.scheduler = RequestScheduler(
@@ -151,29 +148,20 @@ class ModelRunner:
             num_speculative_tokens=self.num_speculative_tokens,
         )
         for serving in self._serving.values():
-            serving.graphs = self._make_graphs(cudagraph_capture_sizes, serving)
+            serving.graphs = make_graphs(
+                model,
+                cudagraph_capture_sizes,
+                serving,
+                device=self.device,
+                num_speculative_tokens=self.num_speculative_tokens,
+                max_blocks_per_req=self._max_blocks_per_req,
+            )
         self._activate(modes[0].name)
 
     @property
     def block_pool(self) -> Any:
         """The KV block free list (the scheduler's)."""
         return self.scheduler.block_pool
-
-    def _make_drafter(
-        self, draft_model: Decoder | None, k: int | None, capture_sizes: Sequence[int] | None
-    ) -> DraftModel | None:
-        """The drafter, once ``check_drafter`` accepts it; it captures graphs of its own at the
-        target's sizes."""
-        if not check_drafter(draft_model, k, self.config, self.device, self._dp_group):
-            return None
-        return DraftModel(
-            draft_model,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            capture_sizes=capture_sizes if capture_sizes and self.device.type == "cuda" else None,
-            max_blocks_per_req=self._max_blocks_per_req,
-            catch_up_width=k + 1,
-        )
 
     @property
     def _max_blocks_per_req(self) -> int:
@@ -189,26 +177,6 @@ class ModelRunner:
         self.runnable = serving.runnable
         self.graphs = serving.graphs
         self._single_batch = serving.single_batch
-
-    def _make_graphs(self, capture_sizes: Sequence[int] | None, serving: ServingMode) -> GraphedModel | None:
-        """FULL graphs for decode steps (unsplit and ubatched), PIECEWISE for the rest, of one
-        serving mode; captured by ``capture_graphs()``. With speculation a decode step verifies
-        k + 1 tokens per request: FULL graphs are keyed on that spec length, at sizes rounded up
-        to multiples of it."""
-        if not capture_sizes:
-            return None
-        if self.device.type != "cuda":
-            raise ValueError(f"cudagraph_capture_sizes needs a CUDA device, got {self.device}")
-        per_request = 1 + self.num_speculative_tokens
-        return GraphedModel(
-            self.model,
-            capture_sizes=sizes_with_multiples(capture_sizes, [per_request]),
-            max_blocks_per_req=self._max_blocks_per_req,
-            ubatch_counts=sorted({1, serving.mode.num_ubatches}),
-            uniform_token_count=per_request,
-            sm_partition=serving.sm_partition,
-            single_batch_overlap=serving.single_batch,
-        )
 
     def capture_graphs(self) -> None:
         """Capture every graph, every serving mode's with that mode in force (on every DP rank,
@@ -230,21 +198,16 @@ class ModelRunner:
         each kernel variant it meets (2-4 s apiece on an H200), cuDNN builds a plan per shape.
         Captured graphs are warmed by ``capture_graphs``. In data parallelism call it on every
         rank. The runner is left idle, every KV block free and ``spec_stats`` zeroed."""
-        check_count("num_requests", num_requests)
-        check_count("max_new_tokens", max_new_tokens)
-        longest = min(
-            self.max_num_batched_tokens,
-            self.max_model_len - max_new_tokens,
-            self.num_kv_blocks * self.block_size - max_new_tokens,
+        prompts, limits = warmup_requests(
+            num_requests,
+            max_new_tokens,
+            seed=seed,
+            vocab_size=self.config.vocab_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_capacity=self.num_kv_blocks * self.block_size,
         )
-        if longest < 1:
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens} leaves no room for a prompt (max_model_len={self.max_model_len})"
-            )
-        g = torch.Generator().manual_seed(seed)
-        prompt_lens = [max(1, longest * (i + 1) // num_requests) for i in range(num_requests)]
-        prompts = [torch.randint(0, self.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
-        self.generate(prompts, [1 + i % max_new_tokens for i in range(num_requests)])
+        self.generate(prompts, limits)
         self.spec_stats = SpecStats()
 
     def close(self) -> None:
@@ -260,15 +223,7 @@ class ModelRunner:
     def _init_dp(self, dp_group: Any, timeout_s: float) -> None:
         """The DP rank, size and vote group; expert parallelism needs equal token counts."""
         ep_world = max((layer.ep_world for layer in getattr(self.model, "moe_layers", {}).values()), default=1)
-        if dp_group is not None and not dist.is_initialized():
-            raise ValueError("dp_group was given but torch.distributed is not initialized")
-        if dp_group is None and ep_world > 1:
-            raise ValueError(
-                f"the model is expert-parallel over {ep_world} ranks: pass dp_group so that every "
-                f"rank runs every step with the same token count"
-            )
-        if dp_group is not None:
-            check_dp_covers_ep(dp_group, getattr(self.model, "moe_layers", {}).values())
+        check_dp_group(dp_group, self.model, ep_world)
         self._dp_group = None if dp_group is None else dp_cpu_group(dp_group, timeout_s=timeout_s)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -291,15 +246,13 @@ class ModelRunner:
         return bool(self.scheduler.requests)
 
     def _validate(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        prompt = checked_prompt(prompt_token_ids, self.config.vocab_size)
-        check_count("max_new_tokens", max_new_tokens)
-        self.scheduler.check_fits(len(prompt), max_new_tokens)
-        if len(prompt) + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"request too long for max_model_len={self.max_model_len}: prompt of {len(prompt)} tokens + "
-                f"max_new_tokens={max_new_tokens}"
-            )
-        return prompt
+        return checked_request(
+            prompt_token_ids,
+            max_new_tokens,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            scheduler=self.scheduler,
+        )
 
     # ----- one step -------------------------------------------------------------------------
 
@@ -326,7 +279,7 @@ class ModelRunner:
         query_lens = [c.query_len for c in chunks]
         if self._mode_policy is not None:
             self._activate(self._mode_policy.decide(most_tokens_across_dp(sum(query_lens), self._dp_group)))
-        graph = self._propose_graph(query_lens)
+        graph = propose_graph(self.graphs, query_lens)
         decision = self.decide(
             sum(query_lens),
             num_tokens_padded=graph.num_tokens if graph else None,
@@ -339,10 +292,9 @@ class ModelRunner:
         batch = self.build_inputs(chunks, num_tokens_padded=num_tokens)
         num_ubatches = self.num_ubatches if decision.should_ubatch else 1
         graph = (
-            self.graphs.plan(
-                sum(query_lens),
-                len(query_lens),
-                _uniform(query_lens),
+            plan_graph(
+                self.graphs,
+                query_lens,
                 num_ubatches=num_ubatches,
                 num_tokens_padded=num_tokens,
                 max_mode=decision.cudagraph_mode,
@@ -383,7 +335,7 @@ class ModelRunner:
         requests preempted on the way."""
         chunks, preempted = self.scheduler.schedule()
         for request in preempted:
-            self._forget_drafts(request)
+            forget_drafts(self.drafter, request)
         return chunks
 
     def _split(self, chunks: list[Chunk], num_ubatches: int, num_tokens: int) -> list[UBatchSlice]:
@@ -396,29 +348,7 @@ class ModelRunner:
     def propose_drafts(self, chunks: list[Chunk], *, skip_attention: bool = False) -> list[Chunk]:
         """The chunks with the drafter's proposals filled in where the scheduler made room
         (``skip_attention`` goes down to every drafter forward)."""
-        wanted = [c for c in chunks if c.num_drafts]
-        if not wanted:
-            return chunks
-        proposals = self.drafter.propose(
-            [DraftRequest(c.request.request_id, c.request.token_ids, c.request.blocks, c.num_drafts) for c in wanted],
-            skip_attention=skip_attention,
-        )
-        by_request = {c.request.request_id: tuple(d) for c, d in zip(wanted, proposals)}
-        return [
-            dataclasses.replace(c, draft_token_ids=by_request[c.request.request_id]) if c.num_drafts else c
-            for c in chunks
-        ]
-
-    def _forget_drafts(self, request: Request) -> None:
-        """The drafter's state for a request whose KV blocks were just freed goes with them."""
-        if self.drafter is not None:
-            self.drafter.forget(request.request_id)
-
-    def _propose_graph(self, query_lens: list[int]) -> BatchExecutionDescriptor | None:
-        """The graph this rank would replay for its batch alone (its size and mode go to the vote)."""
-        if self.graphs is None or not query_lens:
-            return None
-        return self.graphs.plan(sum(query_lens), len(query_lens), _uniform(query_lens))
+        return with_drafts(self.drafter, chunks, skip_attention=skip_attention)
 
     def decide(
         self, num_tokens: int, num_tokens_padded: int | None = None, cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
@@ -516,57 +446,16 @@ class ModelRunner:
     def check_overflow(self) -> None:
         """RuntimeError naming every MoE layer that dropped assignments this step (counters
         are reset first, so the runner stays usable)."""
-        counters = self.model.overflow_counters()
-        if not counters:
-            return
-        counts = torch.stack(list(counters.values())).tolist()
-        for counter in counters.values():
-            counter.zero_()
-        overflowed = [f"{name}: {count}" for name, count in zip(counters, counts) if count]
-        if overflowed:
-            raise RuntimeError(
-                f"MoE capacity overflow (capacity_factor={self.config.capacity_factor}): dropped "
-                f"(token, expert) assignments per layer: {', '.join(overflowed)}; raise "
-                f"capacity_factor or set it to None"
-            )
+        check_moe_overflow(self.model, self.config.capacity_factor)
 
     # ----- update ---------------------------------------------------------------------------
 
     def update(self, chunks: list[Chunk], tokens: list[int]) -> StepOutput:
         """Advance computed counts, append sampled (and accepted draft) tokens, release finished
         requests. Rejected drafts are rolled back by not counting them as computed."""
-        out = StepOutput()
-        sampled = iter(tokens)
-        for chunk in chunks:
-            request = chunk.request
-            request.num_computed = chunk.start + chunk.num_tokens
-            if chunk.reaches_end:
-                self._append(
-                    request, chunk.draft_token_ids, [next(sampled) for _ in range(1 + len(chunk.draft_token_ids))], out
-                )
-            if request.is_finished:
-                self.scheduler.finish(request)
-                self._forget_drafts(request)
-                out.finished[request.request_id] = request.output
-        return out
-
-    def _append(self, request: Request, drafts: tuple[int, ...], target_tokens: list[int], out: StepOutput) -> None:
-        """Greedy acceptance: the accepted drafts are now computed, in both caches."""
-        new = accept_greedy(drafts, target_tokens)
-        request.token_ids += new
-        request.num_computed += len(new) - 1
-        out.new_tokens[request.request_id] = new[-1]
-        out.new_token_ids[request.request_id] = new
-        if drafts:
-            self.drafter.rollback(request.request_id, request.num_computed)
-            self.spec_stats.record(len(drafts), len(new) - 1)
-            out.num_draft_tokens += len(drafts)
-            out.num_accepted_tokens += len(new) - 1
-
-
-def _uniform(query_lens: list[int]) -> int | None:
-    """Tokens per request when every request of the step has the same count, else None."""
-    return query_lens[0] if query_lens and len(set(query_lens)) == 1 else None
+        return update_requests(
+            chunks, tokens, scheduler=self.scheduler, drafter=self.drafter, spec_stats=self.spec_stats
+        )
 
 
 def _resolved(device: torch.device) -> torch.device:
