@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone): on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -114,7 +114,6 @@ if want modes; then
     --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
 fi
 if want modes_prefill; then
-  mode_prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
   for link in none host:27; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
@@ -124,8 +123,12 @@ if want modes_prefill; then
   # traces of where pipelining falls short of the schedule model and of what own rows first hides
   timeout 150 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link host:27 --modes pipeline4,split2+local \
     --trace-dir "$OUT/traces_prefill4096_link27" --top 0 2>&1 | grep -v -i warn | tail -3
+fi
+if want modes_prefill || want modes_prefill_sweeps; then
+  mode_prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
   run1 180 $mode_prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
-  run1 200 $mode_prefill --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -14
+  # communication-bound: more ubatches in flight shorten the bare head and tail
+  run1 300 $mode_prefill,split4,split4+local --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -16
 fi
 if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-reduces against a split
   run1 150 -m ubatch.bench --graphs --layers 4 --model dense --preset dense-bench --workload prefill --prompt-len 512 \
