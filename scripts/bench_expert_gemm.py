@@ -16,19 +16,11 @@ import statistics
 
 import torch
 
+from ubatch.bench.measure import event_times_ms
 
-def time_ms(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+
+def time_ms(fn) -> float:
+    return statistics.median(event_times_ms(fn, repeats=50))
 
 
 def main() -> None:

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ubatch.bench.measure import event_times_ms
+
 
 @triton.jit
 def _flag_bmm(
@@ -119,19 +121,9 @@ class StreamMemOps:
             raise RuntimeError(f"cuStreamWaitValue32 returned {rc}")
 
 
-def timed(fn, reps=30, warm=5):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
+def timed(fn):
+    """(median, min, max) device ms over 30 calls."""
+    times = sorted(event_times_ms(fn))
     return times[len(times) // 2], times[0], times[-1]
 
 

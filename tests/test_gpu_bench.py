@@ -8,6 +8,7 @@ import torch
 
 from ubatch.bench.cli import main
 from ubatch.bench.kernels import hidden_kernel_fraction, kernels_in_trace, profile_kernels
+from ubatch.bench.measure import event_times_ms
 
 
 def _elementwise_graph():
@@ -20,6 +21,21 @@ def _elementwise_graph():
     with torch.cuda.graph(graph):
         (x * 2).sin_().add_(1)
     return graph
+
+
+@pytest.mark.cuda
+def test_event_times_are_the_device_time_of_each_timed_call():
+    """A kernel held ~1 ms on the device (while the host returns at once) is timed at about that,
+    once per repeat, after the warm-up calls."""
+    calls = []
+
+    def held():
+        calls.append(1)
+        torch.cuda._sleep(2_000_000)
+
+    times = event_times_ms(held, warmup=2, repeats=4)
+    assert len(calls) == 6 and len(times) == 4
+    assert all(0.2 < t < 50 for t in times)
 
 
 @pytest.mark.cuda

@@ -87,6 +87,23 @@ def interleaved_samples_ms(
     return samples
 
 
+def event_times_ms(fn: Callable[[], Any], *, warmup: int = 5, repeats: int = 30) -> list[float]:
+    """Device time (ms, CUDA events on the current stream) of each of ``repeats`` calls of
+    ``fn`` after ``warmup`` untimed ones: a kernel's own time, without the host's, for kernel
+    micro-benchmarks (a step's time is ``median_ms``'s wall time)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples
+
+
 @dataclass
 class Measurement:
     """One configuration's figures; ``graphs`` says whether the two step times are graph
