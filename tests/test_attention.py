@@ -541,6 +541,70 @@ def test_write_kv_validates():
         )
 
 
+def _naive_kv_write(cache, k, v, slots):
+    expect = cache.clone()
+    num_slots = cache.shape[1] * cache.shape[2]
+    for i, s in enumerate(slots.tolist()):
+        if 0 <= s < num_slots:
+            expect[0].view(num_slots, *cache.shape[3:])[s] = k[i]
+            expect[1].view(num_slots, *cache.shape[3:])[s] = v[i]
+    return expect
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_kernel_matches_a_naive_loop_on_cuda(slot_dtype):
+    """The Triton write (one launch): K and V as column slices of a fused projection (strided
+    rows), padding anywhere, bf16, a row longer than one program's block."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, heads, dim = 5, 16, 8, 160  # a row of 1280 > one program's 1024
+    cache = torch.randn(2, num_blocks, block_size, heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    fused = torch.randn(37, 3 * heads * dim, generator=gen).to("cuda", torch.bfloat16)
+    k = fused[:, heads * dim : 2 * heads * dim].view(37, heads, dim)
+    v = fused[:, 2 * heads * dim :].view(37, heads, dim)
+    order = torch.randperm(num_blocks * block_size, generator=gen)[:30].tolist()
+    past_the_cache = num_blocks * block_size  # skipped: no slot may write outside the cache
+    slots = torch.tensor(order[:20] + [-1] * 6 + [past_the_cache] + order[20:30], dtype=slot_dtype)
+    expect = _naive_kv_write(cache.cpu(), k.cpu(), v.cpu(), slots)
+    write_kv(cache, k, v, slots.cuda())
+    assert torch.equal(cache.cpu(), expect)
+
+
+@pytest.mark.cuda
+def test_write_kv_kernel_replays_from_a_cuda_graph_with_new_slots():
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.zeros(2, 4, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(6, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    slots = torch.full((6,), -1, dtype=torch.int64, device="cuda")
+    write_kv(cache, k, v, slots)  # compiles and loads the kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_kv(cache, k, v, slots)
+    for _ in range(3):
+        new_k, new_v = (torch.randn(6, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+        new_slots = torch.tensor(torch.randperm(32, generator=gen)[:5].tolist() + [-1])
+        expect = _naive_kv_write(cache.cpu(), new_k, new_v, new_slots)
+        k.copy_(new_k)
+        v.copy_(new_v)
+        slots.copy_(new_slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(cache.cpu(), expect)
+
+
+@pytest.mark.cuda
+def test_write_kv_with_rows_that_are_not_dense_takes_the_eager_write_on_cuda():
+    cache = torch.randn(2, 2, 4, 2, 8, device="cuda")
+    k = torch.randn(8, 8, 2, device="cuda").permute(0, 2, 1)  # [8, 2, 8], head_dim stride 2
+    v = torch.randn(8, 2, 8, device="cuda")
+    slots = torch.tensor([3, -1, 0, 7, 5, -1, 1, 2], device="cuda")
+    expect = _naive_kv_write(cache.cpu(), k.cpu(), v.cpu(), slots.cpu())
+    write_kv(cache, k, v, slots)
+    assert torch.equal(cache.cpu(), expect)
+
+
 # --- flash-attn glue, against fake modules that check their arguments ----------------------
 
 
