@@ -7,14 +7,6 @@ from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-_KV_WRITE_BLOCK = 1024  # elements of one token's K (or V) row per program
-
 
 class PagedKVCache:
     """One cache tensor per attention layer, shaped ``[2, num_blocks, block_size, num_kv_heads,
@@ -96,15 +88,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``, skipping
     rows whose slot is negative (padding), without a host sync so it can be graph-captured.
 
-    On CUDA with Triton one kernel writes K and V, each program one token's row and skipping
-    padding (and any slot past the cache, so a bad slot can never write outside it): a step's
-    attention island launches one kernel for the write where the eager form takes about 14, and
-    an eager island's cost is its launches. Elsewhere, a fixed-shape eager write cannot drop
-    rows, so padding rows are redirected to duplicate the first real row (same slot, same K/V
-    bytes): duplicated index_copy_ targets then all carry identical data and the result is
-    deterministic. With no real row at all, padding rows rewrite slot 0 with its own current
-    contents. No scratch slot is needed, so the cache layout stays the plain paged one and any
-    tensor of that shape works.
+    A fixed-shape write cannot drop rows, so padding rows are redirected to duplicate the first
+    real row (same slot, same K/V bytes): duplicated index_copy_ targets then all carry identical
+    data and the result is deterministic. With no real row at all, padding rows rewrite slot 0
+    with its own current contents. No scratch slot is needed, so the cache layout stays the
+    plain paged one and any tensor of that shape works.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
@@ -123,9 +111,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             raise TypeError(f"{name} dtype {t.dtype} differs from the KV cache's {kv_cache.dtype}")
     if num_rows == 0:
         return
-    if triton is not None and kv_cache.is_cuda and kv_cache.is_contiguous() and _rows_dense(k) and _rows_dense(v):
-        _write_kv_triton(kv_cache, k, v, slot_mapping, num_rows, num_slots)
-        return
     k_flat = kv_cache[0].view(num_slots, *row_shape)
     v_flat = kv_cache[1].view(num_slots, *row_shape)
     slots = slot_mapping.to(torch.int64)
@@ -138,43 +123,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     for flat, new in ((k_flat, k[:num_rows]), (v_flat, v[:num_rows])):
         filler = torch.where(any_valid.view(1, 1, 1), new.index_select(0, first), flat.index_select(0, target))
         flat.index_copy_(0, safe_slots, torch.where(mask, new, filler))
-
-
-def _rows_dense(t: torch.Tensor) -> bool:
-    """Whether each token's [heads, head_dim] row of ``t`` is one dense run of memory (a column
-    slice of a fused projection is; its rows may be strided)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
-def _write_kv_triton(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, num_rows: int, num_slots: int
-) -> None:
-    row_elems = k.shape[1] * k.shape[2]
-    block = min(_KV_WRITE_BLOCK, triton.next_power_of_2(row_elems))
-    grid = (num_rows, triton.cdiv(row_elems, block))
-    _write_kv_kernel[grid](
-        k, v, kv_cache, slot_mapping, row_elems, num_slots, k.stride(0), v.stride(0), BLOCK=block,
-        num_warps=max(1, min(4, block // 256)),
-    )  # fmt: skip
-
-
-if triton is not None:
-
-    @triton.jit
-    def _write_kv_kernel(
-        k_ptr, v_ptr, cache_ptr, slot_ptr, row_elems, num_slots, k_row_stride, v_row_stride, BLOCK: tl.constexpr
-    ):  # fmt: skip
-        """One program per (token, block of its row): K into the cache's first half, V into the
-        second, at the token's slot; a padding token (slot -1) writes nothing."""
-        row = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        if (slot >= 0) & (slot < num_slots):
-            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < row_elems
-            k_dst = cache_ptr + slot * row_elems + cols
-            v_dst = k_dst + num_slots.to(tl.int64) * row_elems
-            tl.store(k_dst, tl.load(k_ptr + row * k_row_stride + cols, mask=mask), mask=mask)
-            tl.store(v_dst, tl.load(v_ptr + row * v_row_stride + cols, mask=mask), mask=mask)
 
 
 class BlockPool:
