@@ -8,19 +8,23 @@ compute kernel hid (``exposed_comm_ms``).
 heads are parallel; ``--workload prefill`` profiles prompts replayed
 from PIECEWISE graphs instead). The summary line per mode gives the replay's span,
 the compute kernels' total, and the idle time between them (the per-kernel gaps that every extra
-kernel costs inside a graph).
+kernel costs inside a graph), and that idle time split into what the host left (the next kernel
+started just as its launch returned) and what waited on a dependency (``ubatch.bench.gaps``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import tempfile
 from collections import defaultdict
 
 import torch
 
 from ubatch.attention.backends import get_backend
+from ubatch.bench.gaps import step_gaps
 from ubatch.bench.graphs import GRAPH_MODES
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
 from ubatch.bench.modes import GraphedMode, mode_partition
@@ -54,6 +58,19 @@ def summary(kernels: list[Kernel]) -> dict[str, float]:
     }
 
 
+def gap_fields(trace_path: str) -> dict[str, float]:
+    """The compute and communication lanes' idle time of a profiled replay's Chrome trace, split
+    into host-bound and waiting (``ubatch.bench.gaps``)."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        lanes = step_gaps(json.load(f))
+    return {
+        f"{lane}_{kind}_ms": round(getattr(lanes[lane], f"{kind}_ms"), 3)
+        for lane in ("compute", "comm")
+        for kind in ("host_bound", "waiting")
+    }
+
+
 def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for k in kernels:
@@ -76,11 +93,13 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
     partitions: dict[int, SMPartition] = {}
     for mode in args.modes:
         partition = mode_partition(mode, None, device, partitions)
-        trace = os.path.join(args.trace_dir, f"{mode.name}_{tokens}.json") if args.trace_dir else None
-        with fused_glue(args.fuse_glue is not None, dynamic=args.fuse_glue != "static"):
-            with GraphedMode(model, step, mode, GRAPH_MODES[args.workload], partition) as replay:
-                kernels = profile_kernels(replay, device, chrome_trace=trace)
-        print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels)}), flush=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = os.path.join(args.trace_dir or scratch, f"{mode.name}_{tokens}.json")
+            with fused_glue(args.fuse_glue is not None, dynamic=args.fuse_glue != "static"):
+                with GraphedMode(model, step, mode, GRAPH_MODES[args.workload], partition) as replay:
+                    kernels = profile_kernels(replay, device, chrome_trace=trace)
+            gaps = gap_fields(trace)
+        print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels), **gaps}), flush=True)
         totals = families(kernels)
         if mode == OverlapMode():
             base = totals

@@ -349,6 +349,38 @@ def test_mode_kernels_summarises_a_replay_and_groups_families():
     assert mode_kernels.families(kernels[:3]) == {"gemm": (2, 0.2), "add_kernel": (1, 0.01)}
 
 
+def test_mode_kernels_splits_a_traced_replays_idle_time(tmp_path):
+    """The summary's gap fields come from the Chrome trace the profile kept, gzipped or not: here
+    the second kernel starts just as its launch returns (the host left the gap), the copy after a
+    launch long before (it waited)."""
+    mode_kernels = _load("mode_kernels")
+
+    def event(cat, name, ts, dur, correlation):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    trace = {
+        "traceEvents": [
+            event("kernel", "gemm", 0, 100, 1),
+            event("kernel", "gemm", 150, 100, 2),
+            event("cuda_runtime", "cudaLaunchKernel", 140, 5, 2),
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 3),
+            event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 40, 10, 4),
+            event("cuda_runtime", "cudaMemcpyAsync", 0, 5, 4),
+        ]
+    }
+    expected = {
+        "compute_host_bound_ms": 0.05,
+        "compute_waiting_ms": 0.0,
+        "comm_host_bound_ms": 0.0,
+        "comm_waiting_ms": 0.03,
+    }
+    plain, packed = tmp_path / "t.json", tmp_path / "t.json.gz"
+    plain.write_text(json.dumps(trace))
+    with gzip.open(packed, "wt") as f:
+        json.dump(trace, f)
+    assert mode_kernels.gap_fields(str(plain)) == mode_kernels.gap_fields(str(packed)) == expected
+
+
 def test_modes_table_renders_a_committed_report_as_results_shows_it():
     committed = ROOT / "benchmarks/history/modes_deepseek_decode_link33_measured_capacity_b78bbcd.json"
     report = json.loads(committed.read_text())
