@@ -9,9 +9,17 @@ from tests.dist_utils import run_distributed
 from ubatch.bench.calibration import calibrated_mode_policy
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.kernels import kernel_costs, kernels_in_trace
-from ubatch.bench.modes import Timing, auto_point, close_calls, mode_partition, mode_rows, sweep_modes
+from ubatch.bench.modes import (
+    Timing,
+    auto_point,
+    close_calls,
+    mode_partition,
+    mode_rows,
+    paired_check,
+    sweep_modes,
+)
 from ubatch.bench.plot import plot_kernel_timeline
-from ubatch.bench.report import format_modes_table
+from ubatch.bench.report import format_modes_table, modes_policy_sentence
 from ubatch.bench.roofline import shard_worlds
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
@@ -169,6 +177,103 @@ def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch
     assert sweep["capture_time_ms"] == {"unsplit": 10.0, "pipeline2": 7.75, "split2": 8.0}
     point = auto_point(sweep, modes, step.num_tokens)
     assert point["choice"] == point["best"] == "pipeline2" and point["runoff"] == ["pipeline2", "split2"]
+
+
+def _scripted_sweep(monkeypatch, script):
+    """A sweep of pipeline2 and split2 whose every timing comes from ``script`` (per mode, in the
+    order taken); returns (model, step, modes, sweep, the modes in the order they were timed)."""
+    import ubatch.bench.modes as modes_module
+
+    current, timed = ["unsplit"], []
+
+    def scripted(fn, device, *, warmup, repeats):
+        fn()
+        timed.append(current[0])
+        ms = script[current[0]].pop(0)
+        return Timing(ms, ms, ms)
+
+    real_call = modes_module.mode_call
+
+    def tracking(model_, step_, mode, graph_mode, partition):
+        current[0] = mode.name
+        return real_call(model_, step_, mode, graph_mode, partition)
+
+    monkeypatch.setattr(modes_module, "sample_ms", scripted)
+    monkeypatch.setattr(modes_module, "mode_call", tracking)
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8)
+    modes = parse_modes("pipeline2,split2")
+    sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=3)
+    return model, step, modes, sweep, timed
+
+
+def test_a_pick_that_is_not_the_measured_best_is_timed_against_it_back_to_back(monkeypatch):
+    """The short timings pick split2 (7.0 ms, no close call), the measured medians put pipeline2
+    first (7.5 against 8.0: split2's block was slow). Three rounds time the two again, in
+    alternating order, and the median round says split2 is within 1.4% of pipeline2."""
+    script = {
+        "unsplit": [10.0, 10.0],
+        "pipeline2": [9.0, 7.5, 7.5, 7.7, 7.6],
+        "split2": [7.0, 8.0, 7.6, 7.6, 7.5],
+    }
+    model, step, modes, sweep, timed = _scripted_sweep(monkeypatch, script)
+    point = auto_point(sweep, modes, step.num_tokens)
+    assert (point["choice"], point["best"]) == ("split2", "pipeline2") and point["auto_vs_best"] == 0.9375
+    paired = paired_check(model, step, modes, sweep, point["choice"], graph_mode=None, warmup=0, repeats=3)
+    assert timed[6:] == ["split2", "pipeline2", "pipeline2", "split2", "split2", "pipeline2"]
+    assert paired == {"against": "pipeline2", "rounds": 3, "auto_vs_best": round(7.7 / 7.6, 4)}
+    assert "timed back to back against pipeline2 (3 rounds): 1.013x" in modes_policy_sentence(
+        {"tokens_per_rank": 8, **point, "paired": paired}
+    )
+
+
+def test_a_pick_that_is_the_measured_best_is_not_timed_again(monkeypatch):
+    script = {"unsplit": [10.0, 10.0], "pipeline2": [9.0, 9.0], "split2": [7.0, 7.0]}
+    model, step, modes, sweep, timed = _scripted_sweep(monkeypatch, script)
+    assert paired_check(model, step, modes, sweep, "split2", graph_mode=None, warmup=0, repeats=3) is None
+    assert len(timed) == 6, "two timings per mode, none after"
+
+
+def _paired_check_on_ranks_that_disagree(rank: int, world: int) -> None:
+    """Rank 0's own medians make the pick (split2) the best, rank 1's do not: paired by its own
+    view, one rank would time two modes again and the other not, and their collectives would part.
+    The slowest rank's medians decide, so both time the same rounds."""
+    import ubatch.bench.modes as modes_module
+
+    medians = {
+        0: {"unsplit": 10.0, "pipeline2": 8.0, "split2": 7.5},
+        1: {"unsplit": 10.0, "pipeline2": 7.0, "split2": 9.0},
+    }
+    current, timed = ["unsplit"], []
+
+    def scripted(fn, device, *, warmup, repeats):
+        fn()
+        timed.append(current[0])
+        ms = medians[rank][current[0]]
+        return Timing(ms, ms, ms)
+
+    real_call = modes_module.mode_call
+
+    def tracking(model_, step_, mode, graph_mode, partition):
+        current[0] = mode.name
+        return real_call(model_, step_, mode, graph_mode, partition)
+
+    modes_module.sample_ms, modes_module.mode_call = scripted, tracking
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8, seed=rank)
+    modes = parse_modes("pipeline2,split2")
+    sweep = {"timings": {name: Timing(ms, ms, ms) for name, ms in medians[rank].items()}}
+    paired = paired_check(
+        model, step, modes, sweep, "split2", graph_mode=None, warmup=0, repeats=1, group=dist.group.WORLD
+    )
+    every = [None] * world
+    dist.all_gather_object(every, (timed, paired))
+    assert every[0] == every[1], f"the ranks timed different rounds or read them differently: {every}"
+    assert every[0][1] == {"against": "pipeline2", "rounds": 3, "auto_vs_best": round(8.0 / 9.0, 4)}
+
+
+def test_ranks_agree_on_whether_and_what_to_time_back_to_back():
+    run_distributed(_paired_check_on_ranks_that_disagree, 2)
 
 
 def _sweep_with_timings_of_its_own(rank: int, world: int) -> None:

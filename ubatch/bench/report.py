@@ -273,8 +273,16 @@ def modes_policy_sentence(point: dict[str, Any]) -> str:
     """The mode policy's pick at one size, beside the best measured mode."""
     where = f"at {point['tokens_per_rank']} tokens"
     if point["choice"] == point["best"]:
-        return f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms), the measured best"
-    return (
-        f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms); measured best is {point['best']} "
-        f"({_num(point['best_ms'])} ms): {point['auto_vs_best']:.3f}x of best"
-    )
+        sentence = f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms), the measured best"
+    else:
+        sentence = (
+            f"auto {where} picks {point['choice']} ({_num(point['auto_ms'])} ms); measured best is "
+            f"{point['best']} ({_num(point['best_ms'])} ms): {point['auto_vs_best']:.3f}x of best"
+        )
+    paired = point.get("paired")  # reports from before 2026-12-02 have none; None where nothing was paired
+    if paired:
+        sentence += (
+            f"; timed back to back against {paired['against']} ({paired['rounds']} rounds): "
+            f"{paired['auto_vs_best']:.3f}x"
+        )
+    return sentence
