@@ -244,7 +244,8 @@ def test_grad_and_inference_mode_hold_inside_every_ubatch():
     assert modes == [(False, True)] * 4
 
 
-def test_hugging_face_model_split_along_batch():
+def _tiny_llama():
+    """A two-layer transformers Llama with seeded weights (skips without transformers)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64,
@@ -256,7 +257,11 @@ def test_hugging_face_model_split_along_batch():
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_hugging_face_model_split_along_batch():
+    model = _tiny_llama()
     input_ids = torch.randint(0, 64, (6, 10))
     wrapper = UBatchWrapper(model, num_ubatches=3, device="cpu")
     with torch.no_grad():
@@ -604,18 +609,7 @@ def test_a_plain_callable_is_kept_as_an_attribute():
 
 
 def test_a_transformers_model_splits_its_batch_without_a_forward_context():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama()
     input_ids = torch.randint(0, 64, (5, 10))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :3] = 0
