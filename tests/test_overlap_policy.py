@@ -136,40 +136,51 @@ def test_eager_sweep_reports_every_mode_against_the_same_runs_baseline_and_ideal
     assert all(r["sm_partition"] == "none" and r["comm_sms"] is None for r in rows)
 
 
-def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch):
-    """Measured on an H200 (deepseek-bench, fused glue, 256 decodes): pipeline2 7.73 ms and split2
-    8.05 ms, yet the three-repeat timing after capture picked split2. Here the first short timings
-    favour split2 the same way; the runoff times only the close modes again, alternately, and the
-    policy then picks pipeline2. Every timing is scripted, in the order the sweep takes them."""
+def _scripted_timer(install, ms_for):
+    """Every timing the sweep takes comes from ``ms_for(mode, times timed before, warmup, repeats)``
+    (each call still runs once); returns the modes in the order they were timed. ``install`` puts
+    the replacements in place: ``monkeypatch.setattr``, or ``setattr`` in a rank's own process."""
     import ubatch.bench.modes as modes_module
 
-    script = {  # per mode: the first short timing, the measured median, then the runoff's
-        "unsplit": [10.0, 10.0],
-        "pipeline2": [8.0, 7.73, 7.7, 7.75],
-        "split2": [7.8, 8.05, 8.1, 8.0],
-    }
-    timed: list[str] = []
-    warmups: list[tuple[int, int]] = []
+    current, timed = ["unsplit"], []
 
     def scripted(fn, device, *, warmup, repeats):
         fn()
+        ms = ms_for(current[0], timed.count(current[0]), warmup, repeats)
         timed.append(current[0])
-        warmups.append((warmup, repeats))
-        ms = script[current[0]].pop(0)
         return Timing(ms, ms, ms)
 
-    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
-    step, _ = make_step(model, [1] * 8, [4] * 8)
-    modes = parse_modes("pipeline2,split2")
-    current = ["unsplit"]
     real_call = modes_module.mode_call
 
     def tracking(model_, step_, mode, graph_mode, partition):
         current[0] = mode.name
         return real_call(model_, step_, mode, graph_mode, partition)
 
-    monkeypatch.setattr(modes_module, "sample_ms", scripted)
-    monkeypatch.setattr(modes_module, "mode_call", tracking)
+    install(modes_module, "sample_ms", scripted)
+    install(modes_module, "mode_call", tracking)
+    return timed
+
+
+def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch):
+    """Measured on an H200 (deepseek-bench, fused glue, 256 decodes): pipeline2 7.73 ms and split2
+    8.05 ms, yet the three-repeat timing after capture picked split2. Here the first short timings
+    favour split2 the same way; the runoff times only the close modes again, alternately, and the
+    policy then picks pipeline2. Every timing is scripted, in the order the sweep takes them."""
+    script = {  # per mode: the first short timing, the measured median, then the runoff's
+        "unsplit": [10.0, 10.0],
+        "pipeline2": [8.0, 7.73, 7.7, 7.75],
+        "split2": [7.8, 8.05, 8.1, 8.0],
+    }
+    warmups: list[tuple[int, int]] = []
+
+    def ms_for(mode, _, warmup, repeats):
+        warmups.append((warmup, repeats))
+        return script[mode].pop(0)
+
+    timed = _scripted_timer(monkeypatch.setattr, ms_for)
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8)
+    modes = parse_modes("pipeline2,split2")
     sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=2, repeats=5)
     assert warmups[:2] == [(2, 3), (0, 5)], "the short timing warms up as the long one would, the long one after it"
     assert sweep["runoff"] == ["pipeline2", "split2"], "unsplit is not within 5% of the fastest"
@@ -182,24 +193,7 @@ def test_close_short_timings_are_timed_again_before_the_policy_picks(monkeypatch
 def _scripted_sweep(monkeypatch, script):
     """A sweep of pipeline2 and split2 whose every timing comes from ``script`` (per mode, in the
     order taken); returns (model, step, modes, sweep, the modes in the order they were timed)."""
-    import ubatch.bench.modes as modes_module
-
-    current, timed = ["unsplit"], []
-
-    def scripted(fn, device, *, warmup, repeats):
-        fn()
-        timed.append(current[0])
-        ms = script[current[0]].pop(0)
-        return Timing(ms, ms, ms)
-
-    real_call = modes_module.mode_call
-
-    def tracking(model_, step_, mode, graph_mode, partition):
-        current[0] = mode.name
-        return real_call(model_, step_, mode, graph_mode, partition)
-
-    monkeypatch.setattr(modes_module, "sample_ms", scripted)
-    monkeypatch.setattr(modes_module, "mode_call", tracking)
+    timed = _scripted_timer(monkeypatch.setattr, lambda mode, *_: script[mode].pop(0))
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     step, _ = make_step(model, [1] * 8, [4] * 8)
     modes = parse_modes("pipeline2,split2")
@@ -238,27 +232,11 @@ def _paired_check_on_ranks_that_disagree(rank: int, world: int) -> None:
     """Rank 0's own medians make the pick (split2) the best, rank 1's do not: paired by its own
     view, one rank would time two modes again and the other not, and their collectives would part.
     The slowest rank's medians decide, so both time the same rounds."""
-    import ubatch.bench.modes as modes_module
-
     medians = {
         0: {"unsplit": 10.0, "pipeline2": 8.0, "split2": 7.5},
         1: {"unsplit": 10.0, "pipeline2": 7.0, "split2": 9.0},
     }
-    current, timed = ["unsplit"], []
-
-    def scripted(fn, device, *, warmup, repeats):
-        fn()
-        timed.append(current[0])
-        ms = medians[rank][current[0]]
-        return Timing(ms, ms, ms)
-
-    real_call = modes_module.mode_call
-
-    def tracking(model_, step_, mode, graph_mode, partition):
-        current[0] = mode.name
-        return real_call(model_, step_, mode, graph_mode, partition)
-
-    modes_module.sample_ms, modes_module.mode_call = scripted, tracking
+    timed = _scripted_timer(setattr, lambda mode, *_: medians[rank][mode])
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     step, _ = make_step(model, [1] * 8, [4] * 8, seed=rank)
     modes = parse_modes("pipeline2,split2")
@@ -279,27 +257,11 @@ def test_ranks_agree_on_whether_and_what_to_time_back_to_back():
 def _sweep_with_timings_of_its_own(rank: int, world: int) -> None:
     """Alone, rank 0's short timings would time pipeline2 and split2 again and rank 1's neither
     (its pipeline2 is far ahead): ranks whose steps run collectives would then run different steps."""
-    import ubatch.bench.modes as modes_module
-
     firsts = {
         0: {"unsplit": 10.0, "pipeline2": 8.0, "split2": 7.8},
         1: {"unsplit": 10.0, "pipeline2": 7.0, "split2": 7.8},
     }
-    current, timed = ["unsplit"], []
-
-    def scripted(fn, device, *, warmup, repeats):
-        fn()
-        timed.append(current[0])
-        ms = firsts[rank][current[0]] if timed.count(current[0]) == 1 else 9.0
-        return Timing(ms, ms, ms)
-
-    real_call = modes_module.mode_call
-
-    def tracking(model_, step_, mode, graph_mode, partition):
-        current[0] = mode.name
-        return real_call(model_, step_, mode, graph_mode, partition)
-
-    modes_module.sample_ms, modes_module.mode_call = scripted, tracking
+    timed = _scripted_timer(setattr, lambda mode, before, *_: firsts[rank][mode] if before == 0 else 9.0)
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     step, _ = make_step(model, [1] * 8, [4] * 8, seed=rank)
     sweep = sweep_modes(
