@@ -355,17 +355,18 @@ def test_mode_kernels_splits_a_traced_replays_idle_time(tmp_path):
     launch long before (it waited)."""
     mode_kernels = _load("mode_kernels")
 
-    def event(cat, name, ts, dur, correlation):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
-
+    rows = [  # (category, name, start us, duration us, correlation)
+        ("kernel", "gemm", 0, 100, 1),
+        ("kernel", "gemm", 150, 100, 2),
+        ("cuda_runtime", "cudaLaunchKernel", 140, 5, 2),
+        ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 3),
+        ("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 40, 10, 4),
+        ("cuda_runtime", "cudaMemcpyAsync", 0, 5, 4),
+    ]
     trace = {
         "traceEvents": [
-            event("kernel", "gemm", 0, 100, 1),
-            event("kernel", "gemm", 150, 100, 2),
-            event("cuda_runtime", "cudaLaunchKernel", 140, 5, 2),
-            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 3),
-            event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 40, 10, 4),
-            event("cuda_runtime", "cudaMemcpyAsync", 0, 5, 4),
+            {"ph": "X", "cat": c, "name": n, "ts": ts, "dur": dur, "args": {"correlation": k}}
+            for c, n, ts, dur, k in rows
         ]
     }
     expected = {
