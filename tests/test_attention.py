@@ -31,6 +31,7 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
+from ubatch.attention import kv_cache as kv_cache_module
 from ubatch.attention.backends import load_flash_attn, preferred_block_size
 from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
@@ -539,6 +540,145 @@ def test_write_kv_validates():
             torch.zeros(1, 2, 8),
             torch.zeros(1, dtype=torch.int64),
         )
+
+
+def _naive_write_kv(cache, k, v, slots):
+    """The reference, on the CPU: a Python loop over the rows, skipping padding (slot < 0) and
+    slots past the cache."""
+    out = cache.cpu().clone()
+    num_slots = out.shape[1] * out.shape[2]
+    flat = out.view(2, num_slots, *out.shape[3:])
+    for i, s in enumerate(slots.tolist()):
+        if 0 <= s < num_slots:
+            flat[0, s], flat[1, s] = k[i].cpu(), v[i].cpu()
+    return out
+
+
+def _kv_of(qkv, heads, head_dim, strided):
+    """k, v [rows, heads, head_dim] from a fused [rows, 3 * heads * head_dim] qkv output: views of
+    its K and V thirds (strided: rows 3 * heads * head_dim apart), or contiguous copies of them."""
+    width, rows = heads * head_dim, qkv.shape[0]
+    k, v = (qkv[:, i * width : (i + 1) * width].view(rows, heads, head_dim) for i in (1, 2))
+    return (k, v) if strided else (k.contiguous(), v.contiguous())
+
+
+def _random_slots(rng, num_rows, num_slots):
+    """Distinct real slots with padding (assorted negative values) anywhere among them."""
+    real = rng.sample(range(num_slots), min(rng.randint(0, num_rows), num_slots))
+    slots = real + [-rng.randint(1, 3) for _ in range(num_rows - len(real))]
+    rng.shuffle(slots)
+    return slots
+
+
+@pytest.fixture
+def no_eager_write_kv(monkeypatch):
+    """Fails a test whose write_kv falls back to the eager path."""
+
+    def eager(*args):
+        raise AssertionError("write_kv took the eager path")
+
+    monkeypatch.setattr(kv_cache_module, "_write_kv_eager", eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv_slice"])
+@pytest.mark.parametrize(
+    "heads, head_dim", [(2, 3), (2, 64), (8, 128), (10, 128)], ids=["row6", "row128", "row1024", "row1280"]
+)  # elements per row: odd, one block, a full block, two blocks (the second partial)
+def test_write_kv_cuda_kernel_matches_a_naive_loop(dtype, slot_dtype, strided, heads, head_dim, no_eager_write_kv):
+    rng, gen = random.Random(heads * head_dim), torch.Generator().manual_seed(heads * head_dim)
+    num_blocks, block_size = 3, 4
+    for num_rows, extra_rows in ((1, 0), (5, 0), (12, 3), (15, 2)):  # k/v rows past slot_mapping: ignored
+        slots = torch.tensor(_random_slots(rng, num_rows, num_blocks * block_size), dtype=slot_dtype)
+        qkv = torch.randn(num_rows + extra_rows, 3 * heads * head_dim, generator=gen).to(dtype)
+        cache = torch.randn(2, num_blocks, block_size, heads, head_dim, generator=gen).to(dtype)
+        expect = _naive_write_kv(cache, *_kv_of(qkv, heads, head_dim, strided), slots)
+        cache = cache.cuda()
+        k, v = _kv_of(qkv.cuda(), heads, head_dim, strided)
+        write_kv(cache, k, v, slots.cuda())
+        assert torch.equal(cache.cpu(), expect), (num_rows, slots)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_cuda_skips_slots_past_the_cache(slot_dtype, no_eager_write_kv):
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 2, 4, 2, 8, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(5, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([8, 3, 2**31 - 1 if slot_dtype == torch.int32 else 2**40, -1, 7], dtype=slot_dtype)
+    expect = _naive_write_kv(cache, k, v, slots)
+    got = cache.cuda()
+    write_kv(got, k.cuda(), v.cuda(), slots.cuda())
+    assert torch.equal(got.cpu(), expect)
+    only_past = cache.cuda()
+    write_kv(only_past, k.cuda(), v.cuda(), torch.tensor([8, 9, 100, -1, -5], dtype=slot_dtype, device="cuda"))
+    assert torch.equal(only_past.cpu(), cache)
+
+
+@pytest.mark.cuda
+def test_write_kv_cuda_is_one_kernel(no_eager_write_kv):
+    """Every K and V row, strided rows, padding: all in one launch of the Triton kernel."""
+    from ubatch.bench.kernels import profile_kernels
+
+    cache = torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = _kv_of(torch.randn(40, 3 * 8 * 128, device="cuda").to(torch.bfloat16), 8, 128, strided=True)
+    slots = torch.tensor(_random_slots(random.Random(0), 32, 64), dtype=torch.int32, device="cuda")
+    kernels = profile_kernels(lambda: write_kv(cache, k, v, slots), torch.device("cuda"))
+    assert len(kernels) == 1 and "_write_kv_kernel" in kernels[0].name, kernels
+
+
+@pytest.mark.cuda
+def test_write_kv_cuda_falls_back_for_layouts_the_kernel_does_not_take(monkeypatch):
+    """A cache that is not contiguous, or k/v rows whose heads are strided, take the eager path,
+    with the same result."""
+    calls = []
+    eager = kv_cache_module._write_kv_eager
+    monkeypatch.setattr(kv_cache_module, "_write_kv_eager", lambda *args: calls.append(1) or eager(*args))
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.tensor([5, -1, 0, 7, -1, 2], dtype=torch.int64)
+    wide_cache = torch.randn(2, 2, 4, 2, 16, generator=gen)  # a cache view with head_dim 8 of 16
+    k, v = (torch.randn(2, 6, 8, generator=gen).transpose(0, 1) for _ in range(2))  # heads 6 * 8 apart
+    expect = _naive_write_kv(wide_cache[..., :8], k, v, slots)
+    cache = wide_cache.cuda()[..., :8]
+    write_kv(cache, k.cuda(), v.cuda(), slots.cuda())  # both reasons at once
+    assert torch.equal(cache.cpu(), expect) and len(calls) == 1
+    cache = wide_cache[..., :8].contiguous().cuda()
+    write_kv(cache, k.cuda(), v.cuda(), slots.cuda())
+    assert torch.equal(cache.cpu(), expect) and len(calls) == 2
+    cache = wide_cache.cuda()[..., :8]
+    write_kv(cache, k.contiguous().cuda(), v.contiguous().cuda(), slots.cuda())
+    assert torch.equal(cache.cpu(), expect) and len(calls) == 3
+
+
+@pytest.mark.cuda
+def test_write_kv_cuda_graph_replays_with_new_slots_and_rows(no_eager_write_kv):
+    """Captured once, replayed on new contents of the same buffers: slots (padding moved, some
+    past the cache) and K/V rows are read on the device at every replay."""
+    heads, head_dim, num_blocks, block_size, num_rows = 4, 64, 4, 4, 10
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    cache_before = torch.randn(2, num_blocks, block_size, heads, head_dim, generator=gen).to(torch.bfloat16)
+    cache = cache_before.cuda()
+    qkv = torch.zeros(num_rows + 2, 3 * heads * head_dim, dtype=torch.bfloat16, device="cuda")
+    slots = torch.full((num_rows,), -1, dtype=torch.int64, device="cuda")
+    k, v = _kv_of(qkv, heads, head_dim, strided=True)
+    write_kv(cache, k, v, slots)  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_kv(cache, k, v, slots)
+    for step in range(3):
+        new_slots = torch.tensor(_random_slots(rng, num_rows, num_blocks * block_size), dtype=torch.int64)
+        new_slots[step] = num_blocks * block_size + step  # past the cache: not written
+        new_qkv = torch.randn(qkv.shape, generator=gen).to(torch.bfloat16)
+        expect = _naive_write_kv(cache_before, *_kv_of(new_qkv, heads, head_dim, strided=True), new_slots)
+        slots.copy_(new_slots)
+        qkv.copy_(new_qkv)
+        cache.copy_(cache_before)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(cache.cpu(), expect), step
 
 
 # --- flash-attn glue, against fake modules that check their arguments ----------------------

@@ -7,6 +7,16 @@ from typing import Any
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_MAX_BLOCK = 1024  # row elements per program: 8 bf16 (16 bytes) per thread with 4 warps
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_SLOT_DTYPES = (torch.int32, torch.int64)
+
 
 class PagedKVCache:
     """One cache tensor per attention layer, shaped ``[2, num_blocks, block_size, num_kv_heads,
@@ -84,21 +94,25 @@ class PagedKVCache:
         return len(self._tensors)
 
 
+def triton_available(device: torch.device) -> bool:
+    """Whether ``write_kv`` can run its Triton kernel for tensors on ``device``."""
+    return triton is not None and device.type == "cuda"
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``, skipping
     rows whose slot is negative (padding), without a host sync so it can be graph-captured.
 
-    A fixed-shape write cannot drop rows, so padding rows are redirected to duplicate the first
-    real row (same slot, same K/V bytes): duplicated index_copy_ targets then all carry identical
-    data and the result is deterministic. With no real row at all, padding rows rewrite slot 0
-    with its own current contents. No scratch slot is needed, so the cache layout stays the
-    plain paged one and any tensor of that shape works.
+    On CUDA with Triton, one kernel writes K and V (a launch-bound decode step pays one launch,
+    not a dozen) and skips padding rows and slots past the cache. Elsewhere, or for a layout the
+    kernel does not take (a non-contiguous cache, k/v rows not dense), the eager fallback
+    ``_write_kv_eager`` runs: one index_copy_ per K and V, padding redirected to duplicate a real
+    row (see its docstring). Rows of ``k``/``v`` past ``slot_mapping``'s length are ignored.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}"
         )
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     row_shape = tuple(kv_cache.shape[3:])
     num_rows = slot_mapping.shape[0]
     for name, t in (("k", k), ("v", v)):
@@ -111,6 +125,93 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             raise TypeError(f"{name} dtype {t.dtype} differs from the KV cache's {kv_cache.dtype}")
     if num_rows == 0:
         return
+    if triton_available(kv_cache.device) and _kernel_takes(kv_cache, k, v, slot_mapping):
+        _write_kv_triton(kv_cache, k, v, slot_mapping)
+    else:
+        _write_kv_eager(kv_cache, k, v, slot_mapping)
+
+
+def _kernel_takes(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether the kernel handles these (validated, non-empty) inputs: it addresses the cache as
+    flat ``[2, num_slots, heads * dim]`` and each k/v row as ``heads * dim`` dense elements at
+    ``row * stride(0)``, so a fused-qkv slice qualifies but a head-strided view does not."""
+    return (
+        kv_cache.is_contiguous()
+        and kv_cache.dtype in _KERNEL_DTYPES
+        and slot_mapping.dim() == 1
+        and slot_mapping.dtype in _KERNEL_SLOT_DTYPES
+        and all(t.device == kv_cache.device for t in (k, v, slot_mapping))
+        and k[0].is_contiguous()
+        and v[0].is_contiguous()
+    )
+
+
+def _write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """One launch: a program per (row, block of the row's ``heads * dim`` elements)."""
+    num_rows = slot_mapping.shape[0]
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    row_elems = kv_cache.shape[3] * kv_cache.shape[4]
+    block = min(_MAX_BLOCK, triton.next_power_of_2(row_elems))
+    grid = (num_rows, triton.cdiv(row_elems, block))
+    _write_kv_kernel[grid](
+        kv_cache[0],
+        kv_cache[1],
+        k,
+        v,
+        slot_mapping,
+        num_slots,
+        row_elems,
+        k.stride(0),
+        v.stride(0),
+        slot_mapping.stride(0),
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_cache_ptr,
+        v_cache_ptr,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        num_slots,
+        row_elems,
+        stride_k,
+        stride_v,
+        stride_slot,
+        BLOCK: tl.constexpr,
+    ):
+        """Copies one block of row ``program_id(0)``'s K and V to its slot. The slot check is part
+        of the mask, so a padding row (slot < 0) or a slot past the cache reads and writes nothing;
+        the slot is int64 so ``slot * row_elems`` cannot overflow on a large cache."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        slot = tl.load(slot_ptr + row * stride_slot).to(tl.int64)
+        mask = (cols < row_elems) & (slot >= 0) & (slot < num_slots)
+        dst = slot * row_elems + cols
+        k = tl.load(k_ptr + row * stride_k + cols, mask=mask)
+        v = tl.load(v_ptr + row * stride_v + cols, mask=mask)
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def _write_kv_eager(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` in plain torch ops, for any device and layout (inputs already validated, at
+    least one row); a slot past the cache is an indexing error here.
+
+    A fixed-shape write cannot drop rows, so padding rows are redirected to duplicate the first
+    real row (same slot, same K/V bytes): duplicated index_copy_ targets then all carry identical
+    data and the result is deterministic. With no real row at all, padding rows rewrite slot 0
+    with its own current contents. No scratch slot is needed, so the cache layout stays the
+    plain paged one and any tensor of that shape works.
+    """
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    row_shape = tuple(kv_cache.shape[3:])
+    num_rows = slot_mapping.shape[0]
     k_flat = kv_cache[0].view(num_slots, *row_shape)
     v_flat = kv_cache[1].view(num_slots, *row_shape)
     slots = slot_mapping.to(torch.int64)
