@@ -199,6 +199,10 @@ def test_expert_capacity_pads_small_experts_to_a_step_and_leaves_large_ones_to_t
     assert layer.expert_capacity(num_tokens=16, num_rows=40) == 40  # never more rows than were received
     assert layer.expert_capacity(num_tokens=200, num_rows=800) == 128  # 100 rounded up to 128
     assert layer.expert_capacity(num_tokens=300, num_rows=1200) is None  # 150 -> 192 rows: the grouped GEMM
+    layer.expert_chunks = 2  # in groups, the padded GEMM serves up to 256 rows per expert
+    assert layer.expert_capacity(num_tokens=300, num_rows=1200) == 192
+    assert layer.expert_capacity(num_tokens=600, num_rows=2400) is None  # 300 -> 320 rows
+    layer.expert_chunks = 1
     layer.capacity_factor = None
     assert layer.expert_capacity(num_tokens=16, num_rows=64) is None  # no row may be dropped
 

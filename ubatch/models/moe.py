@@ -37,6 +37,11 @@ PADDED_MAX_ROWS = 128
 capacity reads the weights at ~3.8-4.0 TB/s on an H200, where the grouped GEMM reaches 2.6-3.0
 (16-64 rows; scripts/bench_expert_gemm.py): at these sizes the GEMM is a weight read, and the
 padding rows ride along for free. Capacities are rounded up to ``PADDED_ROWS_STEP``."""
+PADDED_MAX_ROWS_PIPELINED = 256
+"""The same limit where the experts run in groups (``expert_chunks`` > 1): one grouped GEMM per
+group costs ~0.17 ms more per layer above 128 rows per expert, one batched GEMM per group only
+0.02-0.04 ms (scripts/probe_flag_gemm.py, 128-256 rows on an H200), so the padding pays up to
+256 rows there."""
 
 
 def _start_all_to_all(
@@ -346,7 +351,8 @@ class MoEFFN(nn.Module):
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
         from ``num_tokens`` tokens per rank, or None where the grouped GEMM runs: without a
-        ``capacity_factor`` (no row may be dropped) or above ``PADDED_MAX_ROWS`` rows per expert.
+        ``capacity_factor`` (no row may be dropped) or above ``PADDED_MAX_ROWS`` rows per expert
+        (``PADDED_MAX_ROWS_PIPELINED`` where the experts run in groups).
         ``expert_capacity_factor`` (None: ``capacity_factor``) times a balanced expert's rows,
         rounded up to ``PADDED_ROWS_STEP``; rows past it are dropped and counted like the
         dispatch's. (One expert's rows vary more than a dispatch bucket of many experts, so a
@@ -357,7 +363,8 @@ class MoEFFN(nn.Module):
         balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
         wanted = math.ceil(factor * balanced / PADDED_ROWS_STEP) * PADDED_ROWS_STEP
         capacity = min(num_rows, max(PADDED_ROWS_STEP, wanted))
-        return capacity if capacity <= PADDED_MAX_ROWS else None
+        limit = PADDED_MAX_ROWS if self.expert_chunks == 1 else PADDED_MAX_ROWS_PIPELINED
+        return capacity if capacity <= limit else None
 
     def _experts_padded(
         self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int
