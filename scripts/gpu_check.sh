@@ -155,7 +155,7 @@ if want kv_pages; then  # flash-attn 4 reads a page of its key tile (128 tokens)
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
-  fused="$fused --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"
+  fused="$fused --modes overlap,pipeline2,pipeline4,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"
   run1 200 $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -26
   run1 200 $fused --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10_fused.json" | tail -26
   run1 200 $fused --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_fused.json" | tail -26
