@@ -207,6 +207,26 @@ def test_expert_capacity_pads_small_experts_to_a_step_and_leaves_large_ones_to_t
     assert layer.expert_capacity(num_tokens=16, num_rows=64) is None  # no row may be dropped
 
 
+def test_expert_groups_on_the_padded_gemm_equal_one_group_on_the_grouped_gemm(monkeypatch):
+    """Between ``PADDED_MAX_ROWS`` and ``PADDED_MAX_ROWS_PIPELINED`` rows per expert one group runs
+    the grouped GEMM and two groups the padded bmm: the same output, and nothing dropped."""
+    config = ModelConfig.preset("tiny-moe", capacity_factor=1.6)
+    layer = MoEFFN(config, 0, device=torch.device("cpu"))
+    x = torch.randn(300, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    paths = []
+    for name, wrap in (("_experts_padded", lambda f: f), ("_experts_grouped", staticmethod)):
+        real = getattr(MoEFFN, name)
+        spy = wrap(lambda *args, _real=real, _name=name: paths.append(_name) or _real(*args))
+        monkeypatch.setattr(MoEFFN, name, spy)
+    with torch.no_grad():
+        one = layer(x)  # one group of 4 experts: 256 rows per expert, above 128
+        layer.expert_chunks = 2
+        two = layer(x)
+    assert paths == ["_experts_grouped"] + ["_experts_padded"] * 2
+    assert int(layer.overflow_count) == 0
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
 def test_padded_expert_gemm_counts_the_rows_past_an_experts_capacity(monkeypatch):
     monkeypatch.setattr(moe, "PADDED_ROWS_STEP", 1)
     config = ModelConfig.preset("tiny-moe", capacity_factor=1.0)
