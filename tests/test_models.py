@@ -336,6 +336,76 @@ def test_tensor_and_expert_parallel_match_single_process():
     mp.spawn(_parallel_worker, args=(_free_port(), world), nprocs=world, join=True)
 
 
+def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided):
+    """Rows (a column slice of a wider buffer when ``strided``) and expert ids in -1..n-1."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_rows, hidden + 3, generator=g).to(dtype).cuda()
+    x = wide[:, :hidden] if strided else wide[:, :hidden].contiguous()
+    expert = torch.randint(-1, num_experts, (num_rows,), generator=g).to(expert_dtype).cuda()
+    return x, expert
+
+
+def _same_placement(kernel_result, torch_result, x):
+    (padded, slot, dropped), (ref_padded, ref_slot, ref_dropped) = kernel_result, torch_result
+    assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
+    rows, kept = padded.flatten(0, 1), slot < padded.shape[0] * padded.shape[1]
+    assert torch.equal(rows[slot[kept]], x[kept])
+    assert torch.equal(rows[slot[kept]], ref_padded.flatten(0, 1)[slot[kept]])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("expert_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "column_slice"])
+def test_expert_rows_kernel_places_rows_as_the_torch_path(dtype, expert_dtype, strided):
+    """Slots, dropped count and placed rows equal ``pad_expert_rows``'s, with and without drops,
+    for rows wider than one copy block and more rows than one rank block."""
+    from ubatch.models import expert_rows
+
+    for seed, (num_rows, hidden, num_experts, capacity) in enumerate(
+        [(1, 8, 2, 4), (37, 24, 4, 8), (1500, 40, 8, 128), (2100, 1030, 3, 700)]
+    ):
+        x, expert = _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided)
+        assert expert_rows.kernel_takes(x, expert)
+        got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts, capacity)
+        _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts, capacity), x)
+        assert (int(got[2]) > 0) == (seed in (1, 2))  # the 37- and 1500-row cases overflow their capacity
+
+
+@pytest.mark.cuda
+def test_expert_rows_kernel_is_one_launch_and_replays_from_a_graph():
+    from ubatch.bench.kernels import profile_kernels
+    from ubatch.models import expert_rows
+
+    x, expert = _expert_rows_case(0, 600, 256, 4, torch.bfloat16, torch.int64, strided=True)
+    kernels = profile_kernels(lambda: expert_rows.pad_expert_rows_kernel(x, expert, 4, 128), torch.device("cuda"))
+    assert [k.name for k in kernels if "_pad_rows" in k.name] and len(kernels) <= 3, kernels  # two allocations' fills
+    expert_rows.pad_expert_rows_kernel(x, expert, 4, 128)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = expert_rows.pad_expert_rows_kernel(x, expert, 4, 128)
+    for seed in range(1, 4):
+        new_x, new_expert = _expert_rows_case(seed, 600, 256, 4, torch.bfloat16, torch.int64, strided=True)
+        x.copy_(new_x)
+        expert.copy_(new_expert)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same_placement(captured, moe.pad_expert_rows(x, expert, 4, 128), x)
+
+
+@pytest.mark.cuda
+def test_padded_expert_gemm_runs_the_expert_rows_kernel(monkeypatch):
+    """The MoE layer takes the kernel on CUDA: the torch placement never runs."""
+    monkeypatch.setattr(moe, "pad_expert_rows", lambda *args: pytest.fail("the torch placement ran"))
+    config = ModelConfig.preset("small-moe", capacity_factor=2.0)
+    layer = MoEFFN(config, 0, device=torch.device("cuda"))
+    x = torch.randn(64, config.hidden_size, device="cuda", dtype=config.dtype)
+    assert layer.expert_capacity(64, 64 * config.top_k) is not None
+    with torch.no_grad():
+        layer(x)
+
+
 @pytest.mark.cuda
 def test_cuda_moe_dispatch_is_sync_free_and_matches_masked_loop():
     config = ModelConfig.preset("small-moe", capacity_factor=2.0)

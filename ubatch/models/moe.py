@@ -25,6 +25,7 @@ from torch import nn
 
 from ubatch import comm, islands, scheduler
 from ubatch.context import in_static_collectives
+from ubatch.models import expert_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.fusion import fused
@@ -373,7 +374,8 @@ class MoEFFN(nn.Module):
         is its expert's block plus its rank among that expert's rows (a fast inner-dimension scan,
         as in the dispatch)."""
         n, hidden = w13.shape[0], x.shape[1]
-        padded, slot, dropped = pad_expert_rows(x, expert, n, capacity)
+        place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
+        padded, slot, dropped = place(x, expert, n, capacity)
         self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
         act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
