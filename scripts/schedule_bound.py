@@ -3,7 +3,8 @@
 The model is ``ubatch.bench.schedule`` (every ubatch-bench row carries it as
 ``schedule_model_ms`` / ``schedule_model_stretched_ms``); this prints it for any C and M.
 ``--comm-stretch`` puts the measured overlap slowdown back (a report's ``comm_stretch``): split
-collectives take that much longer, while the unsplit step and the ideal keep the plain M.
+collectives (with ``--join``, any cut into ubatches or expert groups) take that much longer,
+while the unsplit step and the ideal keep the plain M.
 
 Example (the 4096-token slow-link prefill of benchmarks/h200x2):
 ``python scripts/schedule_bound.py --compute-ms 71 --comm-ms 126 --layers 8 --attention-share 0.2``
@@ -47,7 +48,7 @@ def main() -> None:
         "--comm-stretch",
         type=float,
         default=1.0,
-        help="how much slower the split collectives run (a report's comm_stretch)",
+        help="how much slower the split (or, with --join, cut) collectives run (a report's comm_stretch)",
     )
     p.add_argument("--num-ubatches", default="1,2,3,4")
     p.add_argument(
@@ -94,6 +95,7 @@ def main() -> None:
                 args.attention_share,
                 group_cost_ms=args.group_cost_ms,
                 ubatch_cost_ms=args.ubatch_cost_ms,
+                comm_stretch=args.comm_stretch,
             )
             report(f"N={n} joined, K={k}", t)
 

@@ -205,6 +205,8 @@ def test_joined_schedule_by_hand_and_its_costs():
     assert joined(1, 2, 1, 4.0, 2.0, 0.5) == pytest.approx(5.0)
     assert joined(1, 2, 1, 4.0, 2.0, 0.5, group_cost_ms=0.25) == pytest.approx(5.5)
     assert joined(2, 1, 1, 4.0, 2.0, 0.5, ubatch_cost_ms=0.1) == pytest.approx(5.7)
+    assert joined(1, 1, 1, 4.0, 2.0, 0.5, comm_stretch=1.5) == pytest.approx(6.0), "an uncut transfer"
+    assert joined(1, 2, 1, 4.0, 2.0, 0.5, comm_stretch=1.5) == pytest.approx(5.5)  # 0.75 ms per group
     # a small first ubatch: its dispatch hides, the large one's lands at 2.75, experts to 4.75
     assert joined(2, 1, 1, 4.0, 2.0, 0.5, shares=[0.25, 0.75]) == pytest.approx(5.75)
     with pytest.raises(ValueError, match="shares must be 2 positive numbers summing to 1"):

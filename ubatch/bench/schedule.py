@@ -64,6 +64,7 @@ def joined_step_ms(
     *,
     group_cost_ms: float = 0.0,
     ubatch_cost_ms: float = 0.0,
+    comm_stretch: float = 1.0,
     shares: list[float] | None = None,
 ) -> float:
     """Makespan of one step with joined expert stages (``splitN+join+pipelineK``; N = 1 is plain
@@ -72,14 +73,17 @@ def joined_step_ms(
     share of the experts' compute, plus ``group_cost_ms`` per layer for every group past the
     first: smaller GEMMs, more launches) and every ubatch's combine of that group. In a split,
     each ubatch's attention also costs ``ubatch_cost_ms`` per layer (its own launches of every
-    small kernel). ``shares``: each ubatch's share of the tokens (default: equal)."""
+    small kernel). Where the step's transfers are cut (more than one ubatch or group), each takes
+    ``comm_stretch`` times its share of ``comm_ms``: a transfer in pieces pays each piece's
+    latency. ``shares``: each ubatch's share of the tokens (default: equal)."""
     shares = [1 / num_ubatches] * num_ubatches if shares is None else shares
     if len(shares) != num_ubatches or abs(sum(shares) - 1) > 1e-9 or min(shares) <= 0:
         raise ValueError(f"shares must be {num_ubatches} positive numbers summing to 1, got {shares}")
     attention = compute_ms * attention_share / layers
     experts = compute_ms * (1 - attention_share) / layers / expert_chunks
     experts += group_cost_ms if expert_chunks > 1 else 0.0
-    collective = comm_ms / 2 / layers / expert_chunks  # one group's rows of the whole step
+    stretch = comm_stretch if num_ubatches > 1 or expert_chunks > 1 else 1.0
+    collective = stretch * comm_ms / 2 / layers / expert_chunks  # one group's rows of the whole step
     compute_free = comm_free = 0.0
     ready = [0.0] * num_ubatches  # when each ubatch's last combine delivered its rows
     for _ in range(layers):
