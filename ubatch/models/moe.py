@@ -42,7 +42,8 @@ PADDED_MAX_ROWS_PIPELINED = 256
 """The same limit where the experts run in groups (``expert_chunks`` > 1): one grouped GEMM per
 group costs ~0.17 ms more per layer above 128 rows per expert, one batched GEMM per group only
 0.02-0.04 ms (scripts/probe_flag_gemm.py, 128-256 rows on an H200), so the padding pays up to
-256 rows there."""
+256 rows there (the pipelined 256-token decode modes over 10 GB/s ran 8-20% faster:
+benchmarks/h200/padded_groups_ab)."""
 
 
 def _start_all_to_all(
@@ -371,8 +372,8 @@ class MoEFFN(nn.Module):
         self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int
     ) -> torch.Tensor:
         """One batched GEMM per projection over [experts, capacity] padded rows: each row's slot
-        is its expert's block plus its rank among that expert's rows (a fast inner-dimension scan,
-        as in the dispatch)."""
+        is its expert's block plus its rank among that expert's rows (one Triton kernel on CUDA,
+        ``expert_rows``; elsewhere a fast inner-dimension scan, as in the dispatch)."""
         n, hidden = w13.shape[0], x.shape[1]
         place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
         padded, slot, dropped = place(x, expert, n, capacity)
