@@ -68,6 +68,15 @@ def main() -> None:
         p.error(f"--local-share must be in [0, 1], got {args.local_share}")
     if args.join and args.local_share:
         p.error("--local-share models plain splits; the joined model has no own-rows stage")
+    if not args.join:
+        joined_only = {
+            "--expert-chunks": args.expert_chunks != "1",
+            "--group-cost-ms": args.group_cost_ms != 0,
+            "--ubatch-cost-ms": args.ubatch_cost_ms != 0,
+        }
+        given = [name for name, set_ in joined_only.items() if set_]
+        if given:
+            p.error(f"{', '.join(given)} model joined expert stages: add --join")
     if args.comm_stretch <= 0:
         p.error(f"--comm-stretch must be positive, got {args.comm_stretch}")
     unsplit = args.compute_ms + args.comm_ms

@@ -221,6 +221,15 @@ def test_schedule_bound_prints_joined_modes(monkeypatch, capsys):
     assert out[0].startswith("N=2 joined, K=1: 5.50 ms") and out[1].startswith("N=2 joined, K=2:")
 
 
+@pytest.mark.parametrize("flag", [["--expert-chunks", "2"], ["--group-cost-ms", "0.1"], ["--ubatch-cost-ms", "0.1"]])
+def test_schedule_bound_refuses_joined_costs_without_join(monkeypatch, capsys, flag):
+    argv = ["schedule_bound.py", "--compute-ms", "4", "--comm-ms", "2", "--layers", "1", *flag]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        schedule_bound.main()
+    assert f"{flag[0]} model joined expert stages: add --join" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("num_ubatches", [1, 2])
 def test_first_use_cost_serves_the_same_requests_twice(capsys, num_ubatches):
     row = first_use_cost.main(
