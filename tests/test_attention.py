@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.builtin_flash_fake import fake_builtin_flash_enabled
+from tests.interpreted import run_interpreted
 from ubatch.attention import (
     Attention,
     AttentionMetadata,
@@ -568,6 +569,32 @@ def _random_slots(rng, num_rows, num_slots):
     slots = real + [-rng.randint(1, 3) for _ in range(num_rows - len(real))]
     rng.shuffle(slots)
     return slots
+
+
+def test_write_kv_kernel_interpreted():
+    """The Triton kernel itself, under Triton's CPU interpreter, against a naive loop: both
+    dtypes and slot dtypes, padding anywhere, slots past the cache, strided rows, rows past the
+    slot mapping, rows of one and of two blocks."""
+    run_interpreted("""
+import random
+import torch
+from ubatch.attention import kv_cache as m
+rng = random.Random(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for slot_dtype in (torch.int32, torch.int64):
+        for heads, dim in ((2, 3), (10, 128)):
+            cache = torch.randn(2, 3, 4, heads, dim).to(dtype)
+            qkv = torch.randn(9, 3 * heads * dim).to(dtype)
+            k, v = (qkv[:, i * heads * dim : (i + 1) * heads * dim].view(9, heads, dim) for i in (1, 2))
+            slots = [rng.choice([-1, -2, 12, 40]) if i % 3 == 0 else s for i, s in enumerate(rng.sample(range(12), 7))]
+            expect = cache.clone()
+            for i, s in enumerate(slots):
+                if 0 <= s < 12:
+                    expect[0].view(12, heads, dim)[s], expect[1].view(12, heads, dim)[s] = k[i], v[i]
+            m._write_kv_triton(cache, k, v, torch.tensor(slots, dtype=slot_dtype))
+            assert torch.equal(cache, expect), (dtype, slot_dtype, heads, slots)
+print("interpreted kernel ok")
+""")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.interpreted import run_interpreted
 from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
 from ubatch.context import capture_scope, set_forward_context, static_collectives
@@ -334,6 +335,37 @@ def _parallel_worker(rank: int, port: int, world: int) -> None:
 def test_tensor_and_expert_parallel_match_single_process():
     world = 2
     mp.spawn(_parallel_worker, args=(_free_port(), world), nprocs=world, join=True)
+
+
+def test_expert_rows_kernel_interpreted():
+    """The Triton kernel itself, under Triton's CPU interpreter, against the torch path: slots,
+    dropped count and placed rows, with drops, strided rows, rows of two copy blocks and more rows
+    than one rank block. (Triton 3.5's interpreter needs numpy < 2.3 for the kernel's loops.)"""
+    pytest.importorskip("triton")
+    numpy = pytest.importorskip("numpy")
+    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip(
+            f"Triton's interpreter reads a loop bound with int() of an array, which numpy {numpy.__version__} refuses"
+        )
+    run_interpreted(
+        """
+import torch
+from ubatch.models import expert_rows, moe
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for num_rows, hidden, n, cap in ((1, 8, 2, 4), (37, 24, 4, 8), (1100, 1030, 3, 200)):
+        x = torch.randn(num_rows, hidden + 3, generator=g).to(dtype)[:, :hidden]
+        expert = torch.randint(-1, n, (num_rows,), generator=g)
+        padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap)
+        ref_padded, ref_slot, ref_dropped = moe.pad_expert_rows(x, expert, n, cap)
+        assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
+        kept = slot < n * cap
+        assert torch.equal(padded.flatten(0, 1)[slot[kept]], x[kept])
+assert int(dropped) > 0
+print("interpreted kernel ok")
+""",
+        timeout=600,
+    )
 
 
 def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided):

@@ -7,8 +7,6 @@ with host syncs turned into errors).
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.interpreted import run_interpreted
 from ubatch.models.swiglu import swiglu, triton_available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +119,6 @@ def test_bad_inputs(gate_up, count, scale, error, match):
 def test_triton_kernel_interpreted():
     """The Triton kernel itself, run by Triton's CPU interpreter against the fallback: all dtypes, counts
     inside and outside the rows, scaled or not, zeroed or skipped padding, a strided input."""
-    pytest.importorskip("triton")
     script = """
 import torch
 from ubatch.models import swiglu as m
@@ -141,14 +139,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                             assert torch.equal(got[valid:], want[valid:])
 print("interpreted kernel ok")
 """
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "interpreted kernel ok" in result.stdout
+    run_interpreted(script)
 
 
 def test_bench_script_dry_run(tmp_path, capsys):
