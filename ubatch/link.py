@@ -40,13 +40,6 @@ copies' own latency), no SM runs anything for it, and the pacing does not depend
 are doing. The ratio is the copy engines' rate over the set bandwidth, corrected once from a
 padded measurement.
 
-Outside a capture, each distinct transfer (source, destination, size) is captured once as a CUDA
-graph of its copies and replayed at every later call with the same buffers (a piecewise graph's
-collectives see the same ones at every replay): one launch on the host instead of a few dozen
-copy and event calls, so an eager collective costs the host about what a communicator's launch
-does, and a pipelined step's dozens of transfers do not make it host-bound on the stand-in's
-own issue time. The GPU runs the same copies either way.
-
 CPU: nothing moves. A collective sets the values (identity) and returns a ``LinkWork`` that
 completes ``bytes / bandwidth`` seconds after the link is free (transfers queue one after
 another, as on one communicator); ``wait`` sleeps until then, using no CPU. With no bandwidth
@@ -61,7 +54,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -81,8 +73,6 @@ CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() r
 CALIBRATION_REPEATS = 4
 HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
 MAX_PAD_CHUNKS = 16  # the padding scratch buffers hold at most this many chunks
-MAX_EAGER_GRAPHS = 512  # captured transfers kept per link (least recently used dropped first)
-EAGER_GRAPHS = True  # outside a capture, replay each distinct transfer from a captured graph
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -203,8 +193,6 @@ class _CudaStaging:
         self.drained = [torch.cuda.Event() for _ in range(RING_SLOTS)]  # H2D of the slot done
         self.done = torch.cuda.Event()
         self.last_stream: Any = None
-        self.graphs: OrderedDict[tuple[int, int, int, int, float], torch.cuda.CUDAGraph] = OrderedDict()
-        self.capture_stream = named_stream(device, "link-capture")
         self.pad_ratio = 0.0  # padding bytes the D2H engine copies per byte moved
         self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
         self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
@@ -217,7 +205,6 @@ class _CudaStaging:
             # One correction from a padded measurement: padding shares the engine's per-copy costs.
             self.pad_ratio = (1 + self.pad_ratio) * self._measure(CALIBRATION_BYTES[-1]) / bandwidth_gbps - 1
         self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
-        self.graphs.clear()  # the calibration's transfers, of buffers now freed
 
     def _measure(self, nbytes: int) -> float:
         """GB/s of back-to-back round trips of ``nbytes`` on an idle device, on a private stream
@@ -254,55 +241,25 @@ class _CudaStaging:
         if not pieces:
             return
         current = torch.cuda.current_stream(self.device)
-        if torch.cuda.is_current_stream_capturing():
-            self._enqueue(src, dst, pieces, current)  # into the caller's graph
-            return
-        if self.last_stream is not None and self.last_stream != current:
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and self.last_stream is not None and self.last_stream != current:
             current.wait_event(self.done)  # the previous collective's stream still owns the ring
-        if EAGER_GRAPHS:
-            self._graph(src, dst, total, pieces).replay()
-        else:
-            self._enqueue(src, dst, pieces, current)
-        self.done.record(current)
-        self.last_stream = current
-
-    def _graph(self, src: torch.Tensor, dst: torch.Tensor, total: int, pieces: list[tuple[int, int]]) -> Any:
-        """The transfer's copies as a CUDA graph, captured at its first call. A graph holds the
-        buffers' addresses and sizes, which is all the copies depend on, so any later call with
-        the same ones may replay it (the caller's tensors are live while it does)."""
-        key = (src.data_ptr(), dst.data_ptr(), total, src.numel(), self.pad_ratio)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            self.graphs.move_to_end(key)
-            return graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self.capture_stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self._enqueue(src, dst, pieces, self.capture_stream)
-            finally:
-                graph.capture_end()
-        self.graphs[key] = graph
-        if len(self.graphs) > MAX_EAGER_GRAPHS:
-            self.graphs.popitem(last=False)  # a graph still running is freed when it completes
-        return graph
-
-    def _enqueue(self, src: torch.Tensor, dst: torch.Tensor, pieces: list[tuple[int, int]], stream: Any) -> None:
-        """The copies of one round trip, chunk by chunk: D2H on ``stream`` (after the chunk's
-        padding), H2D on the side stream, and ``stream`` waiting for the last one."""
         for k, (offset, size) in enumerate(pieces):
             j = k % RING_SLOTS
             slot = self.slots[j][:size]
             self._pad(size)  # before the copy, so the last H2D does not hide under it
             if k >= RING_SLOTS:
-                stream.wait_event(self.drained[j])  # the slot's previous chunk has gone back
+                current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
             slot.copy_(src[offset : offset + size], non_blocking=True)
-            self.staged[j].record(stream)
+            self.staged[j].record(current)
             self.side.wait_event(self.staged[j])
             with torch.cuda.stream(self.side):
                 dst[offset : offset + size].copy_(slot, non_blocking=True)
             self.drained[j].record(self.side)
-        stream.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
+        current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
+        if not capturing:
+            self.done.record(current)
+            self.last_stream = current
 
 
 class HostLink:
