@@ -462,21 +462,23 @@ def test_cuda_ordering_keeps_values_in_every_order(simulated_gpu, world, bandwid
 
 
 @pytest.mark.parametrize("bandwidth", [None, 0.1])  # the simulated copies "reach" 0.26 GB/s
-def test_cuda_throttle_pads_every_chunk_in_proportion(simulated_gpu, monkeypatch, bandwidth):
-    """A throttled link holds the D2H engine for pad_ratio times each chunk's bytes (one copy per
-    chunk), so small payloads are paced like large ones; an unthrottled one never pads."""
+def test_cuda_throttle_pads_each_payload_in_proportion_less_its_tail(simulated_gpu, monkeypatch, bandwidth):
+    """A throttled link holds the D2H engine for pad_ratio times the payload less its last chunk
+    (whose H2D runs after it), before the payload's first copy, and cuts the payload into the
+    fewest chunks the padding can cover; an unthrottled one never pads and cuts MIN_PIECES."""
     gpu = simulated_gpu
     link = HostLink(2, bandwidth, device="cpu", chunk_bytes=64 << 10)
     staging = link._staging()
     assert (staging.pad_ratio > 0) == (bandwidth is not None)
+    assert staging.min_pieces == (link_module.PACED_MIN_PIECES if bandwidth else link_module.MIN_PIECES)
     if bandwidth:
         staging.pad_ratio = 2.5  # the simulated clock's calibration is meaningless; fix what it set
-    padded = []
+    copies = []
     deferred_copy = torch.Tensor.copy_
 
     def counting_copy(dst, src, non_blocking=False):
-        if dst.untyped_storage().data_ptr() == staging.pad_dst.untyped_storage().data_ptr():
-            padded.append(dst.nbytes)
+        padding = dst.untyped_storage().data_ptr() == staging.pad_dst.untyped_storage().data_ptr()
+        copies.append(("pad" if padding else "copy", dst.nbytes))
         return deferred_copy(dst, src, non_blocking)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
@@ -488,8 +490,18 @@ def test_cuda_throttle_pads_every_chunk_in_proportion(simulated_gpu, monkeypatch
     gpu.run()
     assert torch.equal(out, x)
     moved = x.nbytes // 2
-    assert sum(padded) == sum(round(staging.pad_ratio * size) for _, size in chunk_plan(moved, moved, 64 << 10))
-    assert len(padded) == (len(chunk_plan(moved, moved, 64 << 10)) if bandwidth else 0)
+    pieces = chunk_plan(moved, moved, 64 << 10, staging.min_pieces)
+    padded = [n for kind, n in copies if kind == "pad"]
+    own_part = 1  # the row kept on the rank: one same-device copy, before the link's
+    assert sum(padded) == (round(2.5 * moved) - pieces[-1][1] if bandwidth else 0)
+    assert all(kind == "pad" for kind, _ in copies[own_part : own_part + len(padded)])
+    assert len(copies) == own_part + len(padded) + 2 * len(pieces)
+
+
+def test_a_paced_link_cuts_payloads_into_the_chunks_its_padding_can_cover():
+    assert len(chunk_plan(8 << 20, 8 << 20, 16 << 20, link_module.PACED_MIN_PIECES)) == 2
+    assert len(chunk_plan(64 << 20, 64 << 20, 16 << 20, link_module.PACED_MIN_PIECES)) == 4
+    assert len(chunk_plan(100 << 20, 100 << 20, 16 << 20, link_module.PACED_MIN_PIECES)) == 7
 
 
 @pytest.mark.parametrize("op", ["all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"])

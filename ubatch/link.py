@@ -33,12 +33,15 @@ The all-to-all and gather / scatter outputs are written by the transfer itself, 
 that does not wait for the collective reads stale data, as it would over a real link. The first
 use outside a capture (or ``prepare()``) allocates the ring and side stream and calibrates: it
 synchronises the device and times a few round trips of 1 and 64 MiB (tens of ms).
-A bandwidth below what the copies reach is enforced on the copy engine itself: before each chunk
-the D2H stream copies ``pad_ratio`` times the chunk's bytes from a device scratch buffer into
-pinned memory, so every payload, large or small, takes its bytes over the set bandwidth (plus the
+A bandwidth below what the copies reach is enforced on the copy engine itself: before its first
+chunk a collective has the D2H stream copy padding bytes from a device scratch buffer into pinned
+memory, so every payload, large or small, takes its bytes over the set bandwidth (plus the
 copies' own latency), no SM runs anything for it, and the pacing does not depend on what the SMs
-are doing. The ratio is the copy engines' rate over the set bandwidth, corrected once from a
-padded measurement.
+are doing. The padding is ``pad_ratio`` times the payload (the copy engines' rate over the set
+bandwidth, corrected once from a padded measurement) less the last chunk, whose H2D runs after
+the D2H engine is done. Because that tail is paid for, a paced link cuts a payload into as few
+chunks as the padding can cover (two where the ratio allows): a real collective costs the host one
+launch, and the stand-in should cost it few, since pipelined modes issue dozens per step.
 
 CPU: nothing moves. A collective sets the values (identity) and returns a ``LinkWork`` that
 completes ``bytes / bandwidth`` seconds after the link is free (transfers queue one after
@@ -64,15 +67,16 @@ import torch.distributed as dist
 from ubatch.streams import named_stream
 
 DEFAULT_CPU_GBPS = 10.0  # a memcpy's speed: the CPU link's bandwidth when none is set
-DEFAULT_CHUNK_BYTES = 4 << 20  # largest chunk per copy, and the size of each pinned slot
+DEFAULT_CHUNK_BYTES = 16 << 20  # largest chunk per copy, and the size of each pinned slot
 RING_SLOTS = 4  # pinned slots: D2H runs up to this many chunks ahead of H2D
 MIN_CHUNK_BYTES = 256 << 10
 CHUNK_ALIGN = 64 << 10
-MIN_PIECES = 4  # payloads are cut into at least this many chunks (unless chunks get too small)
+MIN_PIECES = 4  # an unpaced link cuts payloads into at least this many chunks (unless they get too small)
+PACED_MIN_PIECES = 2  # a paced link, whose padding pays for the last chunk's H2D, this many where it can
 CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
 CALIBRATION_REPEATS = 4
 HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
-MAX_PAD_CHUNKS = 16  # the padding scratch buffers hold at most this many chunks
+MAX_PAD_CHUNKS = 4  # the padding scratch buffers hold at most this many chunks (more padding: more copies)
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -154,15 +158,15 @@ def parse_link(text: str) -> HostLink | None:
     return HostLink(world_size, bandwidth)
 
 
-def chunk_plan(total: int, length: int, chunk_bytes: int) -> list[tuple[int, int]]:
+def chunk_plan(total: int, length: int, chunk_bytes: int, min_pieces: int = MIN_PIECES) -> list[tuple[int, int]]:
     """(offset, size) of each copy that moves ``total`` bytes through a ``length``-byte buffer,
-    going round it again while bytes remain: at least ``MIN_PIECES`` chunks where they can be
+    going round it again while bytes remain: at least ``min_pieces`` chunks where they can be
     ``MIN_CHUNK_BYTES`` or more, none larger than ``chunk_bytes`` and none crossing the end."""
     if total == 0:
         return []
     if length <= 0:
         raise ValueError(f"cannot move {total} bytes through a buffer of {length} bytes")
-    size = -(-total // MIN_PIECES)
+    size = -(-total // min_pieces)
     size = -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
     size = min(chunk_bytes, max(size, min(MIN_CHUNK_BYTES, chunk_bytes)))
     pieces, position = [], 0
@@ -194,12 +198,14 @@ class _CudaStaging:
         self.done = torch.cuda.Event()
         self.last_stream: Any = None
         self.pad_ratio = 0.0  # padding bytes the D2H engine copies per byte moved
+        self.min_pieces = MIN_PIECES
         self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
         self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
         if bandwidth_gbps is not None and bandwidth_gbps < self.copy_gbps:
             self.pad_ratio = self.copy_gbps / bandwidth_gbps - 1
-            # One padding copy per chunk up to 16 chunks' worth: launches are the eager path's cost.
-            pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio))
+            # As few chunks as the padding can pay the last one's H2D for: 1 / pad_ratio of them.
+            self.min_pieces = min(MIN_PIECES, max(PACED_MIN_PIECES, math.ceil(1 / self.pad_ratio)))
+            pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio * RING_SLOTS))
             self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=device)
             self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
             # One correction from a padded measurement: padding shares the engine's per-copy costs.
@@ -224,10 +230,11 @@ class _CudaStaging:
             end.synchronize()
         return CALIBRATION_REPEATS * nbytes / max(start.elapsed_time(end) / 1e3, 1e-9) / 1e9
 
-    def _pad(self, size: int) -> None:
-        """Hold the D2H engine for ``pad_ratio * size`` more bytes (copies of a scratch buffer into
-        pinned memory), so a chunk of ``size`` bytes takes as long as the set bandwidth allows."""
-        remaining = round(self.pad_ratio * size)
+    def _pad(self, total: int, tail: int) -> None:
+        """Hold the D2H engine for ``pad_ratio * total`` bytes less the ``tail`` whose H2D runs
+        after it (copies of a scratch buffer into pinned memory), so a payload of ``total`` bytes
+        takes as long as the set bandwidth allows."""
+        remaining = round(self.pad_ratio * total) - tail if self.pad_ratio else 0
         while remaining > 0:
             n = min(remaining, len(self.pad_src))
             self.pad_dst[:n].copy_(self.pad_src[:n], non_blocking=True)
@@ -236,26 +243,28 @@ class _CudaStaging:
     def round_trip(self, src: torch.Tensor, dst: torch.Tensor, total: int) -> None:
         """Move ``total`` bytes from byte buffer ``src`` through pinned memory into ``dst`` (the
         same length; the same buffer for an in-place round trip), going round it again while
-        bytes remain, all ordered on the current stream."""
-        pieces = chunk_plan(total, src.numel(), self.chunk_bytes)
+        bytes remain, all ordered on the current stream. The copies are issued a ring's worth at
+        a time, D2H then H2D, so the host switches streams once per ring, not once per chunk."""
+        pieces = chunk_plan(total, src.numel(), self.chunk_bytes, self.min_pieces)
         if not pieces:
             return
         current = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self.last_stream is not None and self.last_stream != current:
             current.wait_event(self.done)  # the previous collective's stream still owns the ring
-        for k, (offset, size) in enumerate(pieces):
-            j = k % RING_SLOTS
-            slot = self.slots[j][:size]
-            self._pad(size)  # before the copy, so the last H2D does not hide under it
-            if k >= RING_SLOTS:
-                current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
-            slot.copy_(src[offset : offset + size], non_blocking=True)
-            self.staged[j].record(current)
-            self.side.wait_event(self.staged[j])
+        self._pad(total, pieces[-1][1])  # before the copies, so the last H2D does not hide under it
+        for start in range(0, len(pieces), RING_SLOTS):
+            ring = pieces[start : start + RING_SLOTS]
+            for j, (offset, size) in enumerate(ring):
+                if start:
+                    current.wait_event(self.drained[j])  # the slot's previous chunk has gone back
+                self.slots[j][:size].copy_(src[offset : offset + size], non_blocking=True)
+                self.staged[j].record(current)
             with torch.cuda.stream(self.side):
-                dst[offset : offset + size].copy_(slot, non_blocking=True)
-            self.drained[j].record(self.side)
+                for j, (offset, size) in enumerate(ring):
+                    self.side.wait_event(self.staged[j])
+                    dst[offset : offset + size].copy_(self.slots[j][:size], non_blocking=True)
+                    self.drained[j].record(self.side)
         current.wait_event(self.drained[(len(pieces) - 1) % RING_SLOTS])
         if not capturing:
             self.done.record(current)
