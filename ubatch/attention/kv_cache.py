@@ -7,11 +7,7 @@ from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ubatch._triton import tl, triton, triton_available
 
 _MAX_BLOCK = 1024  # row elements per program: 8 bf16 (16 bytes) per thread with 4 warps
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -92,11 +88,6 @@ class PagedKVCache:
 
     def __len__(self) -> int:
         return len(self._tensors)
-
-
-def triton_available(device: torch.device) -> bool:
-    """Whether ``write_kv`` can run its Triton kernel for tensors on ``device``."""
-    return triton is not None and device.type == "cuda"
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ubatch._triton import tl, triton, triton_available
 
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step: 8 bf16 (16 bytes) per thread, 4 warps
 _BLOCK_RANK = 1024  # earlier rows compared per loop step when counting a row's rank
@@ -28,8 +24,7 @@ def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
     """Whether the kernel handles these inputs: CUDA with Triton, rows whose elements are dense
     (a column slice of a wider buffer qualifies), one contiguous integer expert id per row."""
     return (
-        triton is not None
-        and x.is_cuda
+        triton_available(x.device)
         and x.dim() == 2
         and x.stride(1) == 1
         and x.dtype in _ROW_DTYPES

@@ -22,18 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ubatch._triton import tl, triton, triton_available
 
 _MAX_BLOCK = 1024  # columns per program: 8 bf16 (16 bytes) per thread with 4 warps
-
-
-def triton_available(device: torch.device) -> bool:
-    """Whether ``swiglu`` runs its Triton kernel for tensors on ``device``."""
-    return triton is not None and device.type == "cuda"
 
 
 def swiglu(
