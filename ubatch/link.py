@@ -234,7 +234,7 @@ class _CudaStaging:
         """Hold the D2H engine for ``pad_ratio * total`` bytes less the ``tail`` whose H2D runs
         after it (copies of a scratch buffer into pinned memory), so a payload of ``total`` bytes
         takes as long as the set bandwidth allows."""
-        remaining = round(self.pad_ratio * total) - tail if self.pad_ratio else 0
+        remaining = round(self.pad_ratio * total) - tail
         while remaining > 0:
             n = min(remaining, len(self.pad_src))
             self.pad_dst[:n].copy_(self.pad_src[:n], non_blocking=True)

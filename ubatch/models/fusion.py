@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib.util
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
+from ubatch._triton import triton
 from ubatch.teardown import import_before_init
 
 # The first compilation imports torch._dynamo, which imports torch.distributed.nn.functional;
@@ -53,9 +53,9 @@ def fused_glue(enabled: bool = True, *, dynamic: bool = True) -> Iterator[None]:
         _fuse.reset(token)
 
 
-@functools.cache
 def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether inductor, which compiles the glue to Triton kernels, can run here."""
+    return triton is not None
 
 
 def fused(fn: F) -> F:
