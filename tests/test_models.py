@@ -181,13 +181,17 @@ def dense_reference_moe(layer: MoEFFN, x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared", "tiny-deepseek"])
 @pytest.mark.parametrize("use_grouped_mm", [True, False])
 @pytest.mark.parametrize("capacity_factor", [None, 4.0])
-def test_moe_dispatch_matches_dense_reference(preset, use_grouped_mm, capacity_factor):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_moe_dispatch_matches_dense_reference(preset, use_grouped_mm, capacity_factor, chunks):
+    """A token's experts in one bucket share a row, summed at the expert side; with two expert
+    groups most tokens' experts span both, summed again at the sender."""
     config = ModelConfig.preset(preset, capacity_factor=capacity_factor)
     layer = MoEFFN(config, 0, device=torch.device("cpu"))
     layer.use_grouped_mm = use_grouped_mm
+    layer.expert_chunks = chunks
     x = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), dense_reference_moe(layer, x), atol=1e-5, rtol=1e-5)
@@ -248,9 +252,10 @@ def test_moe_small_capacity_counts_overflow():
     x = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         layer(x)
-    # One rank, capacity ceil(0.25 * 64) = 16 of the 64 assignments.
+    # One rank and one bucket: each token sends one row holding both its experts, and the
+    # capacity, ceil(0.25 * 64 assignments) = 16 rows, keeps 16 tokens' rows of 32.
     assert layer.capacity(32) == 16
-    assert int(layer.overflow_count) == 64 - 16
+    assert int(layer.overflow_count) == (32 - 16) * layer.top_k
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -269,11 +274,14 @@ def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(chu
     with torch.no_grad():
         torch.testing.assert_close(counted(x), static(x), atol=1e-6, rtol=1e-6)
     _, ids = counted.route(x)
-    remote = int((ids // counted.num_local_experts != 0).sum())  # rows for the other rank's experts
-    row = 4 * (config.hidden_size + 4)  # a float32 row with its expert id columns
+    local = ids % counted.num_local_experts
+    bucket = local // (counted.num_local_experts // chunks) * 2 + ids // counted.num_local_experts
+    # one row per token and bucket of the other rank's, whichever of the token's experts are there
+    remote = sum(int((bucket == b).any(dim=1).sum()) for b in range(1, 2 * chunks, 2))
+    row = 4 * (config.hidden_size + 2 * config.top_k)  # a float32 row with its experts' weights and ids
     counts = 8 * chunks  # the other rank's int64 count per expert group
     assert counted_link.bytes_moved == counts + remote * row + remote * 4 * config.hidden_size
-    worst = 37 * config.top_k  # the static path's rows to the other rank, per expert group
+    worst = 37  # the static path's rows to the other rank, per expert group: one per token
     assert static_link.bytes_moved == chunks * worst * (row + 4 * config.hidden_size)
     assert int(counted.overflow_count) == 0
     # a graph's warm-up runs what its capture runs, and a DP rank whose peers replay issues what they do

@@ -9,8 +9,9 @@ in the bench: 0 where it held).
 
 A call's fill is two ratios, each a count over its balanced share, and each sets its own factor:
 
-- per (expert group, destination rank) bucket: the rows this rank would send there, over
-  ``tokens * top_k / (world * expert_chunks)`` (what ``MoEFFN.capacity`` bounds);
+- per (expert group, destination rank) bucket: the rows this rank would send there (one per token
+  with any expert there), over ``tokens * top_k / (world * expert_chunks)`` (what
+  ``MoEFFN.capacity`` bounds);
 - per expert: this rank's rows for it, over ``tokens * top_k / num_experts``. A receiver's rows
   for an expert are the sum over senders, so if every sender stays within ratio r of its share,
   the receiver stays within r of its own (what ``MoEFFN.expert_capacity`` bounds).
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ubatch.models.moe import expert_buckets
+
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
 differently, and a split's ubatches (fewer tokens each) fill their buckets more unevenly."""
@@ -41,11 +44,9 @@ def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -
     float64 tensor of 2 on ``ids``' device (no host sync; float64 so that a factor rounded up
     from it never falls below it), for expert ids ``[tokens, top_k]`` routed on one rank."""
     tokens, top_k = ids.shape
-    n_local = num_experts // world
-    flat = ids.flatten()
-    bucket = (flat % n_local) // (n_local // chunks) * world + flat // n_local
-    per_bucket = torch.bincount(bucket, minlength=chunks * world)
-    per_expert = torch.bincount(flat, minlength=num_experts)
+    bucket = expert_buckets(ids, num_experts // world, chunks, world)
+    per_bucket = torch.zeros(tokens, chunks * world, dtype=torch.int64, device=ids.device).scatter_(1, bucket, 1).sum(0)
+    per_expert = torch.bincount(ids.flatten(), minlength=num_experts)
     return torch.stack(
         [
             per_bucket.max().double() / (tokens * top_k / (world * chunks)),

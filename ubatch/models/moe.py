@@ -1,15 +1,21 @@
 """The MoE reference model: shared attention blocks, and a routed-expert FFN with expert
 parallelism over an optional process group.
 
+A token travels once to each destination rank (per expert group) that holds any of its experts,
+as DeepEP's dispatch does, not once per expert: its row carries the local ids and router weights
+of all its experts there in extra columns, the destination runs the row through each of them and
+returns one row, their weighted sum, and the sender adds up its rows from every destination. With
+fine-grained experts (top-8 of 64 over two ranks) that moves a quarter of the rows a row per
+expert would.
+
 With a ``capacity_factor``, and in any CUDA-graph capture, dispatch and combine are shape-static:
 every buffer's shape depends only on the number of tokens, so there is no host sync and the path
-is graph-capturable. Each rank sends a fixed ``capacity`` rows to every destination rank, the
-local expert id of each row travels as an extra column of the rows, and the combine returns rows
-to the slots they were sent from, so the sender gathers them back without any extra routing
-message. Without a capacity factor an eager step exchanges its row counts first (one small
-all-to-all and a host sync) and sends only its real rows, where the static path would send the
-worst case, ``tokens * top_k`` rows to every destination. Expert-parallel ranks must run the
-same number of tokens per step (the data-parallel coordinator pads them to the maximum).
+is graph-capturable. Each rank sends a fixed ``capacity`` rows to every destination rank, and the
+combine returns rows to the slots they were sent from, so the sender gathers them back without any
+extra routing message. Without a capacity factor an eager step exchanges its row counts first (one
+small all-to-all and a host sync) and sends only its real rows, where the static path would send
+the worst case, ``tokens`` rows to every destination. Expert-parallel ranks must run the same
+number of tokens per step (the data-parallel coordinator pads them to the maximum).
 """
 
 from __future__ import annotations
@@ -184,12 +190,12 @@ class MoEFFN(nn.Module):
 
     def capacity(self, num_tokens: int) -> int:
         """Rows each rank sends to each destination rank per expert group for ``num_tokens``
-        tokens: the worst case, or ``capacity_factor`` times the balanced share."""
-        worst = num_tokens * self.top_k
+        tokens: the worst case (every token, one row each), or ``capacity_factor`` times a
+        balanced router's share of the (token, expert) assignments, at most the worst case."""
         if self.capacity_factor is None:
-            return worst
-        share = worst / (self.ep_world * self.expert_chunks)
-        return max(1, min(worst, math.ceil(self.capacity_factor * share)))
+            return num_tokens
+        share = num_tokens * self.top_k / (self.ep_world * self.expert_chunks)
+        return max(1, min(num_tokens, math.ceil(self.capacity_factor * share)))
 
     @property
     def expert_chunks(self) -> int:
@@ -217,9 +223,9 @@ class MoEFFN(nn.Module):
         stage waits for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
         if self.capacity_factor is None and not _static_only():
-            slot, dispatched = self._dispatch_counted(x, ids)
+            slot, dispatched = self._dispatch_counted(x, ids, weights)
         else:
-            slot, dispatched = self._dispatch_static(x, ids)
+            slot, dispatched = self._dispatch_static(x, ids, weights)
 
         shared = self.shared(x) if self.shared is not None else None
 
@@ -235,17 +241,19 @@ class MoEFFN(nn.Module):
         for handle in combines:
             _wait(handle)
 
-        return combine_rows(dispatched.back, slot, weights, shared)
+        return combine_rows(dispatched.back, slot, shared)
 
-    def _dispatch_static(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
+    def _dispatch_static(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, _Dispatched]:
         """Each (group, destination) bucket sent at its full capacity (graph-capturable)."""
         num_tokens, hidden = x.shape
         k, world = self.expert_chunks, self.ep_world
         cap = self.capacity(num_tokens)
         group_rows = world * cap
         trash = k * group_rows
-        slot, dropped, send = dispatch_plan(x, ids, self.num_local_experts, k, world, cap)
-        if cap < num_tokens * self.top_k:
+        slot, dropped, send = dispatch_plan(x, ids, weights, self.num_local_experts, k, world, cap)
+        if cap < num_tokens:
             self.overflow_count += dropped
         recv = torch.empty_like(send[:trash])
         groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
@@ -256,12 +264,14 @@ class MoEFFN(nn.Module):
         within = [slice(self.ep_rank * cap, (self.ep_rank + 1) * cap)] * k
         return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, None, own, within, send)
 
-    def _dispatch_counted(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, _Dispatched]:
+    def _dispatch_counted(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, _Dispatched]:
         """Only the real rows: every rank's count per (group, destination) exchanged first (a
         host sync), then each group's all-to-all with those splits. Nothing is dropped."""
         num_tokens, hidden = x.shape
         k, world = self.expert_chunks, self.ep_world
-        slot, counts, send = counted_dispatch_plan(x, ids, self.num_local_experts, k, world)
+        slot, counts, send = counted_dispatch_plan(x, ids, weights, self.num_local_experts, k, world)
         sent = counts.view(k, world)
         received = sent
         if world > 1:
@@ -279,6 +289,7 @@ class MoEFFN(nn.Module):
             for r, b, split in zip(recv_groups, back_groups, splits)
         ]
         back = x.new_empty(send.shape[0], hidden)
+        back[-1].zero_()  # the trash row, which a token's further assignments to one bucket read
         r = self.ep_rank
         own = [slice(send_at[g] + sum(sent_rows[g][:r]), send_at[g] + sum(sent_rows[g][: r + 1])) for g in range(k)]
         within = [slice(sum(received_rows[g][:r]), sum(received_rows[g][: r + 1])) for g in range(k)]
@@ -328,27 +339,31 @@ class MoEFFN(nn.Module):
         return outputs
 
     def _run_rows(self, rows: list[torch.Tensor], g: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """Expert group ``g`` over every part's rows (hidden columns, then the expert id) in one
-        call; the outputs split back per part."""
-        hidden = self.w2.shape[1]
+        """Expert group ``g`` over every part's dispatch rows in one call: each row through each
+        of its experts, weighted and summed into one output row; the outputs split back per part."""
         joined = rows[0] if len(rows) == 1 else torch.cat(rows)
-        expert_out = self._experts(joined[:, :hidden], joined[:, hidden].long(), g, num_tokens)
-        return expert_out.split([len(r) for r in rows])
+        x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
+        return self._experts(x, ids, weights, g, num_tokens).split([len(r) for r in rows])
 
-    def _experts(self, x: torch.Tensor, expert: torch.Tensor, group: int, num_tokens: int) -> torch.Tensor:
-        """Each row through its local expert (SwiGLU), for the rows of expert group ``group``
-        routed from ``num_tokens`` tokens per rank; rows with expert -1 are padding, whose
-        output is never read."""
+    def _experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: int, num_tokens: int
+    ) -> torch.Tensor:
+        """Each row's weighted sum over its local experts (SwiGLU) of group ``group``, for rows
+        routed from ``num_tokens`` tokens per rank; ``ids`` [rows, top_k] holds each row's
+        expert ids, negative where the row has no expert in that column (padding rows have none,
+        and their outputs are never read)."""
         size = self.num_local_experts // self.expert_chunks
         experts = slice(group * size, (group + 1) * size)
-        expert = expert - group * size
+        ids = ids - group * size
         w13, w2 = self.w13[experts], self.w2[experts]
-        capacity = self.expert_capacity(num_tokens, len(x))
+        capacity = self.expert_capacity(num_tokens, ids.numel())
         if capacity is not None:
-            return self._experts_padded(x, expert, w13, w2, capacity)
-        if self.use_grouped_mm:
-            return self._experts_grouped(x, expert, w13, w2)
-        return self._experts_masked(x, expert, w13, w2)
+            out = self._experts_padded(x.repeat_interleave(self.top_k, dim=0), ids.flatten(), w13, w2, capacity)
+        elif self.use_grouped_mm:
+            out = self._experts_grouped(x, ids, w13, w2)
+        else:
+            return self._experts_masked(x, ids, weights, w13, w2)
+        return weighted_rows(out, ids, weights)
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
@@ -386,8 +401,11 @@ class MoEFFN(nn.Module):
         return out[slot]
 
     @staticmethod
-    def _experts_grouped(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        rows, order, offsets = sort_by_expert(x, expert, w13.shape[0])
+    def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Every (row, column) of ``ids`` [rows, top_k] through its expert, in that order
+        [rows * top_k]; the rows are gathered sorted by expert straight from ``x``, never
+        expanded first."""
+        rows, order, offsets = sort_by_expert(x, ids, w13.shape[0])
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
         # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
         hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
@@ -395,12 +413,15 @@ class MoEFFN(nn.Module):
         return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
 
     @staticmethod
-    def _experts_masked(x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
+    def _experts_masked(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(w13.shape[0]):
             gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-            out += torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, w2[e]), 0)
-        return out
+            weight = torch.where(ids == e, weights, 0).sum(dim=1, keepdim=True)
+            out += torch.where(weight != 0, F.linear(F.silu(gate) * up, w2[e]).float() * weight, 0)
+        return out.to(x.dtype)
 
 
 def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,68 +433,117 @@ def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torc
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+def expert_buckets(ids: torch.Tensor, n_local: int, chunks: int, world: int) -> torch.Tensor:
+    """The (expert group, destination rank) bucket of each assignment, group-major."""
+    local = ids % n_local
+    return local // (n_local // chunks) * world + ids // n_local
+
+
+def _dispatch_rows(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, bucket: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each assignment's dispatch row [tokens * top_k, hidden + extra], whether it is the
+    first of its token's assignments to its bucket): a row is the token's hidden state, the
+    router weights of the token's experts in that bucket (float32 bits) and their local ids (-1
+    for the others). Only a first assignment's row travels; the others ride in it."""
+    num_tokens, top_k = ids.shape
+    same = bucket[:, :, None] == bucket[:, None, :]  # [token, assignment, other assignment]
+    first = ~same.tril(-1).any(dim=2)
+    weight_cols = torch.where(same, weights[:, None, :], 0.0).reshape(num_tokens * top_k, top_k)
+    id_cols = torch.where(same, (ids % n_local)[:, None, :], -1).reshape(num_tokens * top_k, top_k)
+    hidden, width = x.shape[1], dispatch_row_width(x.shape[1], top_k, x.dtype)
+    rows = x.new_empty(num_tokens * top_k, width)
+    rows[:, :hidden] = x.repeat_interleave(top_k, dim=0)
+    columns = _weight_columns(top_k, x.dtype)
+    rows[:, hidden : hidden + columns] = weight_cols.contiguous().view(x.dtype)
+    rows[:, hidden + columns : hidden + columns + top_k] = id_cols.to(x.dtype)
+    rows[:, hidden + columns + top_k :] = 0
+    return rows, first
+
+
+def _weight_columns(top_k: int, dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` that hold ``top_k`` float32 router weights, bit for bit."""
+    return top_k * 32 // torch.finfo(dtype).bits
+
+
+def dispatch_row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    """Columns of a dispatch row: the hidden state, the weights, the ids, rounded up so that a row
+    is a multiple of 16 bytes (NCCL is far slower on misaligned per-peer chunks)."""
+    per_16_bytes = 128 // torch.finfo(dtype).bits
+    width = hidden + _weight_columns(top_k, dtype) + top_k
+    return -(-width // per_16_bytes) * per_16_bytes
+
+
+def split_dispatch_rows(rows: torch.Tensor, hidden: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, expert ids [rows, top_k] (int64, -1 where none), float32 weights) of
+    dispatch rows."""
+    columns = _weight_columns(top_k, rows.dtype)
+    weights = rows[:, hidden : hidden + columns].contiguous().view(torch.float32)
+    ids = rows[:, hidden + columns : hidden + columns + top_k].long()
+    return rows[:, :hidden], ids, weights
+
+
 @fused
 def dispatch_plan(
-    x: torch.Tensor, ids: torch.Tensor, n_local: int, chunks: int, world: int, cap: int
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int, cap: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slot of each (token, expert) assignment in the send buffer, assignments dropped, the send
-    buffer [chunks * world * cap + 1, hidden + extra] with every kept row in its slot).
+    """(the combine slot of each (token, expert) assignment [tokens, top_k], assignments dropped,
+    the send buffer [chunks * world * cap + 1, row width] with every kept row in its slot).
 
-    Slots are group-major, then destination, in token order within a (group, destination)
-    bucket; assignments past capacity go to the last (trash) row. The count runs along one
-    contiguous row per bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower
-    on an H200: benchmarks/h200x2/explore/moe_dispatch_scan.log). The bucket ids are made per
-    call, not kept: a captured graph keeps its own, whatever expert_chunks is set to later.
-
-    The local expert id rides in extra columns (exact in any float dtype for ids < 256), so one
-    all-to-all carries rows and routing. The row stays a multiple of 16 bytes: NCCL is far slower
-    on misaligned per-peer chunks. Padding rows carry id -1 and are never read back, so only their
-    id column is written.
+    A token sends one row per bucket its experts fall in (``_dispatch_rows``). Slots are
+    group-major, then destination, in token order within a (group, destination) bucket; rows
+    past capacity go to the last (trash) row, and so does every assignment but a token's first
+    to its bucket in the combine slots (its output comes back in the first one's row, summed). The
+    count runs along one contiguous row per bucket, a fast inner-dimension scan (an
+    outer-dimension one is ~19x slower on an H200: benchmarks/h200x2/explore/moe_dispatch_scan.log).
+    The bucket ids are made per call, not kept: a captured graph keeps its own, whatever
+    expert_chunks is set to later. Padding rows carry ids -1 and are never read back, so only
+    their id columns are written.
     """
     trash = chunks * world * cap
-    local = (ids % n_local).flatten()
-    bucket = local // (n_local // chunks) * world + (ids // n_local).flatten()
-    buckets = torch.arange(chunks * world, device=x.device)[:, None]
-    pos = (bucket == buckets).cumsum(1).gather(0, bucket[None])[0] - 1
+    bucket = expert_buckets(ids, n_local, chunks, world)
+    rows, first = _dispatch_rows(x, ids, weights, n_local, bucket)
+    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
+    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
     kept = pos < cap
-    slot = torch.where(kept, bucket * cap + pos, trash)
-    hidden, extra = x.shape[1], 16 // x.element_size()
-    send = x.new_empty(trash + 1, hidden + extra)
-    send[:, hidden:] = -1
-    expert_col = local[:, None].to(x.dtype).expand(-1, extra)
-    rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
-    return slot, (~kept).sum(), send.index_copy_(0, slot, rows)
+    slot = torch.where(kept & first, bucket * cap + pos, trash)
+    send = x.new_empty(trash + 1, rows.shape[1])
+    top_k = ids.shape[1]
+    id_start = x.shape[1] + _weight_columns(top_k, x.dtype)
+    send[:, id_start : id_start + top_k] = -1
+    return slot, (~kept).sum(), send.index_copy_(0, slot.flatten(), rows)
 
 
 @fused
 def sort_by_expert(
-    x: torch.Tensor, expert: torch.Tensor, num_experts: int
+    x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows sorted by expert, padding rows (expert -1) last, the order that sorts them, each
-    expert's end offset among them as int32): what the grouped GEMM takes."""
-    key = torch.where(expert < 0, num_experts, expert)
+    """(for every (row, column) of ``ids`` [rows, top_k], the row of ``x`` [rows, hidden], sorted
+    by expert with the columns that have none (ids < 0) last; the order that sorts them, among
+    rows * top_k; each expert's end offset among them as int32): what the grouped GEMM takes."""
+    key = torch.where(ids < 0, num_experts, ids).flatten()
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    return x[order], order, counts[:num_experts].cumsum(0).to(torch.int32)
+    return x[order // ids.shape[1]], order, counts[:num_experts].cumsum(0).to(torch.int32)
 
 
 def counted_dispatch_plan(
-    x: torch.Tensor, ids: torch.Tensor, n_local: int, chunks: int, world: int
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slot of each assignment, rows per (group, destination) bucket [chunks * world], the send
-    buffer [tokens * top_k, hidden + extra]) with the buckets packed one after another in
-    group-major, destination order and no padding: ``dispatch_plan``'s layout without capacity."""
-    local = (ids % n_local).flatten()
-    bucket = local // (n_local // chunks) * world + (ids // n_local).flatten()
-    buckets = torch.arange(chunks * world, device=x.device)[:, None]
-    member = bucket == buckets
-    counts = member.sum(1)
-    pos = member.cumsum(1).gather(0, bucket[None])[0] - 1
-    slot = (counts.cumsum(0) - counts)[bucket] + pos
-    extra = 16 // x.element_size()
-    expert_col = local[:, None].to(x.dtype).expand(-1, extra)
-    rows = torch.cat([x.repeat_interleave(ids.shape[1], dim=0), expert_col], dim=1)
-    return slot, counts, torch.empty_like(rows).index_copy_(0, slot, rows)
+    """(the combine slot of each assignment, rows per (group, destination) bucket [chunks *
+    world], the send buffer [tokens * top_k + 1, row width]) with the buckets packed one after
+    another in group-major, destination order from the first row: ``dispatch_plan``'s layout
+    without capacity. Its last row is the trash row of the assignments whose rows others carry."""
+    num_tokens, top_k = ids.shape
+    trash = num_tokens * top_k
+    bucket = expert_buckets(ids, n_local, chunks, world)
+    rows, first = _dispatch_rows(x, ids, weights, n_local, bucket)
+    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
+    counts = in_bucket.sum(1)
+    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
+    slot = torch.where(first, (counts.cumsum(0) - counts)[bucket] + pos, trash)
+    send = x.new_empty(trash + 1, rows.shape[1])
+    return slot, counts, send.index_copy_(0, slot.flatten(), rows)
 
 
 def _offsets(rows: list[list[int]]) -> list[int]:
@@ -497,15 +567,23 @@ def _static_only() -> bool:
 
 
 @fused
-def combine_rows(
-    back: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Each token's expert rows gathered back from their slots, weighted and summed (plus the
-    shared experts' output)."""
-    num_tokens, top_k = weights.shape
-    routed = back[slot].view(num_tokens, top_k, back.shape[1]).float()
-    out = (routed * weights[..., None]).sum(dim=1).to(back.dtype)
-    return out if shared is None else out + shared
+def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's rows gathered back from their slots (each already its experts' weighted sum
+    at one destination; further assignments to a bucket read the zero trash row) and summed in
+    float32 (plus the shared experts' output)."""
+    num_tokens, top_k = slot.shape
+    routed = back[slot].view(num_tokens, top_k, back.shape[1]).float().sum(dim=1).to(back.dtype)
+    return routed if shared is None else routed + shared
+
+
+@fused
+def weighted_rows(out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One output row per dispatch row: its experts' outputs ``out`` [rows * top_k, hidden],
+    weighted and summed in float32; columns without an expert (ids < 0) add nothing, whatever
+    their outputs hold."""
+    rows, top_k = ids.shape
+    expert_out = out.view(rows, top_k, out.shape[1]).float() * weights[..., None]
+    return torch.where((ids >= 0)[..., None], expert_out, 0.0).sum(dim=1).to(out.dtype)
 
 
 @fused
