@@ -64,6 +64,17 @@ def test_calibration_reads_compute_rate_at_the_largest_size_and_host_at_the_smal
         calibrate(lambda t: serial[t], lambda t, n: 1.0, [256, 2048], stages=0)
 
 
+def test_with_nothing_to_hide_a_noisy_unsplit_timing_never_makes_a_split_win():
+    """One process, no communication, and a load spike while the small unsplit step was timed
+    (12 ms against 5 for the two-ubatch step): a split's host time is still taken as at least the
+    whole step's, so the step stays whole at every size."""
+    serial = {16: (0.5, 0.0), 64: (2.0, 0.0)}
+    step = {(16, 1): 12.0, (16, 2): 5.0, (64, 2): 4.5}
+    costs = calibrate(lambda t: serial[t], lambda t, n: step[t, n], [16, 64])
+    assert costs.ubatch_host_ms == 6.0
+    assert all(SplitPolicy(costs).decide(t) == 1 for t in (16, 32, 64, 4096))
+
+
 def test_threshold_fallback_and_validation():
     policy = SplitPolicy(threshold_tokens=1024)
     assert (policy.decide(512), policy.decide(1024)) == (1, 2)

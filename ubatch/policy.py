@@ -8,8 +8,8 @@ A cost model calibrated at start-up predicts a step's time for each ubatch count
   a row, the other adds one stage of fill and drain, and ``k`` is how much longer than that a
   split step ran (profiled on H200s: collectives stretched beside compute, smaller kernels);
 - the host: launching an unsplit step costs ``h``, and each ubatch of a split step ``h_u`` (its
-  share of the launches plus the hand-offs), so N ubatches cannot finish before ``N * h_u`` (what
-  makes eager splits of small batches lose);
+  share of the launches plus the hand-offs, at least ``h / 2``), so N ubatches cannot finish
+  before ``N * h_u`` (what makes eager splits of small batches lose);
 - the step takes the longer of the two.
 
 ``C`` is GPU compute per token (measured at the largest calibration size, where the GPU, not the
@@ -94,8 +94,12 @@ def calibrate(
     samples = {t: serial_costs(t) for t in sizes}
     largest, smallest = max(sizes), min(sizes)
     comm = Linear.fit(list(samples), [m for _, m in samples.values()])
+    host = step_time(smallest, 1)
+    # A split launches everything the whole step does: its host time is never below the whole
+    # step's, whatever noise made one measurement of it shorter (with nothing to hide, a noisy
+    # unsplit time would otherwise predict a split faster).
     costs = StepCosts(
-        samples[largest][0] / largest, comm, step_time(smallest, 1), step_time(smallest, 2) / 2, stages=stages
+        samples[largest][0] / largest, comm, host, max(step_time(smallest, 2), host) / 2, stages=stages
     )
     stretch = step_time(largest, 2) / costs.pipeline_ms(largest, 2)
     return dataclasses.replace(costs, split_stretch=max(1.0, stretch))
