@@ -17,14 +17,7 @@ from ubatch.bench.workload import make_step
 from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
-from ubatch.models.moe import (
-    combine_rows,
-    dispatch_plan,
-    pad_expert_rows,
-    route_top_k,
-    sort_by_expert,
-    weighted_rows,
-)
+from ubatch.models.moe import dispatch_plan, pad_expert_rows, route_top_k, sort_by_expert
 
 
 def _inputs(tokens: int, seed: int):
@@ -32,33 +25,21 @@ def _inputs(tokens: int, seed: int):
     x = torch.randn(tokens, 32, generator=g)
     router = torch.randn(8, 32, generator=g)
     weights, ids = route_top_k(x, router, 2)
-    slot, _, send = dispatch_plan.eager(x, ids, weights, 4, 2, 2, tokens)
-    back = torch.randn(send.shape[0], 32, generator=g)
     expert = torch.randint(-1, 4, (3 * tokens,), generator=g)
     return {
         rms_norm: (x, torch.rand(32, generator=g), 1e-6),
         add_rms_norm: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
         rotate_neox: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
         dispatch_plan: (x, ids, weights, 4, 2, 2, max(1, tokens // 2)),
-        combine_rows: (back, slot, torch.randn(tokens, 32, generator=g)),
-        weighted_rows: (
-            torch.randn(3 * tokens, 32, generator=g),
-            expert.view(tokens, 3),
-            torch.rand(tokens, 3, generator=g),
-        ),
-        pad_expert_rows: (torch.randn(3 * tokens, 32, generator=g), expert, 4, tokens),
+        pad_expert_rows: (torch.randn(tokens, 32, generator=g), expert, 4, tokens),  # three experts per row
         sort_by_expert: (torch.randn(tokens, 32, generator=g), expert.view(tokens, 3), 4),
     }
 
 
 def _defined(fn, result):
-    """The parts of a result that hold defined values (the dispatch and padding buffers' spare
-    rows are left unwritten, and their trash rows take any of the dropped rows)."""
+    """The parts of a result that hold defined values (the padded buffer's spare rows are left
+    unwritten, and its trash row takes any of the dropped rows)."""
     result = result if isinstance(result, tuple) else (result,)
-    if fn is dispatch_plan:
-        slot, dropped, send = result
-        kept = slot[slot < len(send) - 1]  # the last row is the trash of dropped and carried assignments
-        return slot, dropped, send[:-1, 34:36], send[kept]  # 32 hidden, 2 weights, 2 ids (float32)
     if fn is pad_expert_rows:
         padded, slot, dropped = result
         rows = padded.flatten(0, 1)
@@ -73,8 +54,6 @@ def _defined(fn, result):
         "add_rms_norm",
         "rotate_neox",
         "dispatch_plan",
-        "combine_rows",
-        "weighted_rows",
         "pad_expert_rows",
         "sort_by_expert",
     ],

@@ -361,14 +361,15 @@ import torch
 from ubatch.models import expert_rows, moe
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
-    for num_rows, hidden, n, cap in ((1, 8, 2, 4), (37, 24, 4, 8), (1100, 1030, 3, 200)):
+    cases = ((1, 8, 2, 4, 1), (37, 24, 4, 8, 1), (1100, 1030, 3, 200, 1), (40, 24, 4, 16, 3))
+    for num_rows, hidden, n, cap, per_row in cases:
         x = torch.randn(num_rows, hidden + 3, generator=g).to(dtype)[:, :hidden]
-        expert = torch.randint(-1, n, (num_rows,), generator=g)
+        expert = torch.randint(-1, n, (num_rows * per_row,), generator=g)
         padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap)
         ref_padded, ref_slot, ref_dropped = moe.pad_expert_rows(x, expert, n, cap)
         assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
         kept = slot < n * cap
-        assert torch.equal(padded.flatten(0, 1)[slot[kept]], x[kept])
+        assert torch.equal(padded.flatten(0, 1)[slot[kept]], x.repeat_interleave(per_row, 0)[kept])
 assert int(dropped) > 0
 print("interpreted kernel ok")
 """,
@@ -376,12 +377,13 @@ print("interpreted kernel ok")
     )
 
 
-def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided):
-    """Rows (a column slice of a wider buffer when ``strided``) and expert ids in -1..n-1."""
+def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided, per_row=1):
+    """Rows (a column slice of a wider buffer when ``strided``) and ``per_row`` expert ids in
+    -1..n-1 for each."""
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(num_rows, hidden + 3, generator=g).to(dtype).cuda()
     x = wide[:, :hidden] if strided else wide[:, :hidden].contiguous()
-    expert = torch.randint(-1, num_experts, (num_rows,), generator=g).to(expert_dtype).cuda()
+    expert = torch.randint(-1, num_experts, (num_rows * per_row,), generator=g).to(expert_dtype).cuda()
     return x, expert
 
 
@@ -389,7 +391,7 @@ def _same_placement(kernel_result, torch_result, x):
     (padded, slot, dropped), (ref_padded, ref_slot, ref_dropped) = kernel_result, torch_result
     assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
     rows, kept = padded.flatten(0, 1), slot < padded.shape[0] * padded.shape[1]
-    assert torch.equal(rows[slot[kept]], x[kept])
+    assert torch.equal(rows[slot[kept]], x.repeat_interleave(len(slot) // len(x), 0)[kept])
     assert torch.equal(rows[slot[kept]], ref_padded.flatten(0, 1)[slot[kept]])
 
 
@@ -402,14 +404,14 @@ def test_expert_rows_kernel_places_rows_as_the_torch_path(dtype, expert_dtype, s
     for rows wider than one copy block and more rows than one rank block."""
     from ubatch.models import expert_rows
 
-    for seed, (num_rows, hidden, num_experts, capacity) in enumerate(
-        [(1, 8, 2, 4), (37, 24, 4, 8), (1500, 40, 8, 128), (2100, 1030, 3, 700)]
+    for seed, (num_rows, hidden, num_experts, capacity, per_row) in enumerate(
+        [(1, 8, 2, 4, 1), (37, 24, 4, 8, 1), (500, 40, 8, 128, 3), (2100, 1030, 3, 700, 1), (300, 40, 8, 64, 8)]
     ):
-        x, expert = _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided)
+        x, expert = _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided, per_row)
         assert expert_rows.kernel_takes(x, expert)
         got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts, capacity)
         _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts, capacity), x)
-        assert (int(got[2]) > 0) == (seed in (1, 2))  # the 37- and 1500-row cases overflow their capacity
+        assert (int(got[2]) > 0) == (seed in (1, 2, 4))  # the 37-, 1500- and 2400-pair cases overflow
 
 
 @pytest.mark.cuda

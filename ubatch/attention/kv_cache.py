@@ -182,7 +182,8 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         slot = tl.load(slot_ptr + row * stride_slot).to(tl.int64)
-        mask = (cols < row_elems) & (slot >= 0) & (slot < num_slots)
+        slots = cols * 0 + slot  # a vector mask: Triton's interpreter (3.9) takes no scalar in one
+        mask = (cols < row_elems) & (slots >= 0) & (slots < num_slots)
         dst = slot * row_elems + cols
         k = tl.load(k_ptr + row * stride_k + cols, mask=mask)
         v = tl.load(v_ptr + row * stride_v + cols, mask=mask)

@@ -22,7 +22,8 @@ _EXPERT_DTYPES = (torch.int32, torch.int64)
 
 def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
     """Whether the kernel handles these inputs: CUDA with Triton, rows whose elements are dense
-    (a column slice of a wider buffer qualifies), one contiguous integer expert id per row."""
+    (a column slice of a wider buffer qualifies), contiguous integer expert ids, the same number
+    for every row of ``x`` (``moe.pad_expert_rows``)."""
     return (
         triton_available(x.device)
         and x.dim() == 2
@@ -32,7 +33,7 @@ def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
         and expert.is_contiguous()
         and expert.dtype in _EXPERT_DTYPES
         and expert.device == x.device
-        and len(expert) == len(x)
+        and (len(expert) % len(x) == 0 if len(x) else len(expert) == 0)
     )
 
 
@@ -40,10 +41,12 @@ def pad_expert_rows_kernel(
     x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
-    row's slot there or ``num_experts * capacity`` for padding rows (expert < 0) and rows past
-    their expert's capacity, how many real rows were dropped). Slots no row takes are left
+    (row, expert) pair's slot there or ``num_experts * capacity`` for padding (expert < 0) and
+    past its expert's capacity, how many real pairs were dropped). Slots no pair takes are left
     unwritten, as in the torch path."""
-    num_rows, hidden = x.shape
+    hidden = x.shape[1]
+    num_rows = len(expert)
+    per_row = num_rows // len(x) if len(x) else 1
     trash = num_experts * capacity
     padded = x.new_empty(trash, hidden)
     slot = torch.empty(num_rows, dtype=torch.int64, device=x.device)
@@ -56,6 +59,7 @@ def pad_expert_rows_kernel(
             slot,
             dropped,
             num_rows,
+            per_row,
             hidden,
             x.stride(0),
             capacity,
@@ -77,6 +81,7 @@ if triton is not None:
         slot_ptr,
         dropped_ptr,
         num_rows,
+        per_row,
         hidden,
         stride_x,
         capacity,
@@ -84,8 +89,9 @@ if triton is not None:
         BLOCK_RANK: tl.constexpr,
         BLOCK_HIDDEN: tl.constexpr,
     ):
-        """Row ``program_id(0)``: its rank is the number of earlier rows with the same expert (the
-        torch path's scan, so the same slots), then its elements go to its slot if it is kept."""
+        """Pair ``program_id(0)``: its rank is the number of earlier pairs with the same expert (the
+        torch path's scan, so the same slots), then its row of ``x`` (every ``per_row`` pairs
+        share one) goes to its slot if it is kept."""
         row = tl.program_id(0)
         expert = tl.load(expert_ptr + row).to(tl.int64)
         rank = row * 0  # an int32 scalar the loop may carry
@@ -98,9 +104,9 @@ if triton is not None:
         slot = tl.where(kept, expert * capacity + rank, trash)
         tl.store(slot_ptr + row, slot)
         tl.atomic_add(dropped_ptr, 1, mask=real & (rank >= capacity))
-        source = x_ptr + row.to(tl.int64) * stride_x
+        source = x_ptr + (row // per_row).to(tl.int64) * stride_x
         target = out_ptr + slot * hidden
         for start in tl.range(0, hidden, BLOCK_HIDDEN):
             cols = start + tl.arange(0, BLOCK_HIDDEN)
-            mask = (cols < hidden) & kept
+            mask = (cols < hidden) & (cols * 0 + slot < trash)  # a vector mask, as in gather_sum
             tl.store(target + cols, tl.load(source + cols, mask=mask), mask=mask)

@@ -35,6 +35,7 @@ from ubatch.models import expert_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.fusion import fused
+from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.swiglu import swiglu
 
@@ -251,15 +252,13 @@ class MoEFFN(nn.Module):
         k, world = self.expert_chunks, self.ep_world
         cap = self.capacity(num_tokens)
         group_rows = world * cap
-        trash = k * group_rows
         slot, dropped, send = dispatch_plan(x, ids, weights, self.num_local_experts, k, world, cap)
         if cap < num_tokens:
             self.overflow_count += dropped
-        recv = torch.empty_like(send[:trash])
+        recv = torch.empty_like(send)
         groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
         dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
-        back = x.new_empty(trash + 1, hidden)
-        back[trash].zero_()
+        back = x.new_empty(k * group_rows, hidden)
         own = [slice((g * world + self.ep_rank) * cap, (g * world + self.ep_rank + 1) * cap) for g in range(k)]
         within = [slice(self.ep_rank * cap, (self.ep_rank + 1) * cap)] * k
         return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, None, own, within, send)
@@ -289,7 +288,6 @@ class MoEFFN(nn.Module):
             for r, b, split in zip(recv_groups, back_groups, splits)
         ]
         back = x.new_empty(send.shape[0], hidden)
-        back[-1].zero_()  # the trash row, which a token's further assignments to one bucket read
         r = self.ep_rank
         own = [slice(send_at[g] + sum(sent_rows[g][:r]), send_at[g] + sum(sent_rows[g][: r + 1])) for g in range(k)]
         within = [slice(sum(received_rows[g][:r]), sum(received_rows[g][: r + 1])) for g in range(k)]
@@ -358,12 +356,12 @@ class MoEFFN(nn.Module):
         w13, w2 = self.w13[experts], self.w2[experts]
         capacity = self.expert_capacity(num_tokens, ids.numel())
         if capacity is not None:
-            out = self._experts_padded(x.repeat_interleave(self.top_k, dim=0), ids.flatten(), w13, w2, capacity)
+            out, where = self._experts_padded(x, ids.flatten(), w13, w2, capacity)
         elif self.use_grouped_mm:
-            out = self._experts_grouped(x, ids, w13, w2)
+            out, where = self._experts_grouped(x, ids, w13, w2)
         else:
             return self._experts_masked(x, ids, weights, w13, w2)
-        return weighted_rows(out, ids, weights)
+        return gather_sum(out, torch.where(ids >= 0, where.view_as(ids), -1), weights)
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
@@ -385,32 +383,36 @@ class MoEFFN(nn.Module):
 
     def _experts_padded(
         self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int
-    ) -> torch.Tensor:
-        """One batched GEMM per projection over [experts, capacity] padded rows: each row's slot
-        is its expert's block plus its rank among that expert's rows (one Triton kernel on CUDA,
-        ``expert_rows``; elsewhere a fast inner-dimension scan, as in the dispatch)."""
-        n, hidden = w13.shape[0], x.shape[1]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batched GEMM per projection over [experts, capacity] padded rows, for ``expert``
+        [rows * top_k], each row's experts in turn: each (row, expert) pair's slot is its expert's
+        block plus its rank among that expert's pairs (one Triton kernel on CUDA, ``expert_rows``,
+        which reads each row where it lies; elsewhere a fast inner-dimension scan, as in the
+        dispatch). Returns the [experts * capacity, hidden] outputs and each pair's slot among
+        them (-1: dropped or padding)."""
+        n = w13.shape[0]
         place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
         padded, slot, dropped = place(x, expert, n, capacity)
         self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
         act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
-        out = x.new_empty(n * capacity + 1, hidden)  # the last row: what dropped and padding rows read
-        torch.bmm(act, w2.transpose(1, 2), out=out[:-1].view(n, capacity, hidden))
-        out[-1].zero_()
-        return out[slot]
+        out = torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1)
+        return out, torch.where(slot < n * capacity, slot, -1)
 
     @staticmethod
-    def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """Every (row, column) of ``ids`` [rows, top_k] through its expert, in that order
-        [rows * top_k]; the rows are gathered sorted by expert straight from ``x``, never
-        expanded first."""
+    def _experts_grouped(
+        x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (row, column) of ``ids`` [rows, top_k] through its expert, the rows gathered
+        sorted by expert straight from ``x`` (never expanded first); returns the sorted outputs
+        and where among them each (row, column), flattened, landed (columns without an expert
+        land among rows that hold anything)."""
         rows, order, offsets = sort_by_expert(x, ids, w13.shape[0])
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
         # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
         hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
         sorted_out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
-        return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        return sorted_out, torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
     @staticmethod
     def _experts_masked(
@@ -439,26 +441,41 @@ def expert_buckets(ids: torch.Tensor, n_local: int, chunks: int, world: int) -> 
     return local // (n_local // chunks) * world + ids // n_local
 
 
-def _dispatch_rows(
+def _row_columns(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, bucket: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each assignment's dispatch row [tokens * top_k, hidden + extra], whether it is the
-    first of its token's assignments to its bucket): a row is the token's hidden state, the
-    router weights of the token's experts in that bucket (float32 bits) and their local ids (-1
-    for the others). Only a first assignment's row travels; the others ride in it."""
+    """(whether each assignment is the first of its token's to its bucket, the extra columns of
+    each assignment's dispatch row [tokens * top_k + 1, extra]): the router weights of the
+    token's experts in that bucket (float32 bits) and their local ids (-1 for the others). Only a
+    first assignment's row travels; the others ride in it. The last row is a padding row's
+    columns: ids -1."""
     num_tokens, top_k = ids.shape
     same = bucket[:, :, None] == bucket[:, None, :]  # [token, assignment, other assignment]
     first = ~same.tril(-1).any(dim=2)
     weight_cols = torch.where(same, weights[:, None, :], 0.0).reshape(num_tokens * top_k, top_k)
     id_cols = torch.where(same, (ids % n_local)[:, None, :], -1).reshape(num_tokens * top_k, top_k)
-    hidden, width = x.shape[1], dispatch_row_width(x.shape[1], top_k, x.dtype)
-    rows = x.new_empty(num_tokens * top_k, width)
-    rows[:, :hidden] = x.repeat_interleave(top_k, dim=0)
-    columns = _weight_columns(top_k, x.dtype)
-    rows[:, hidden : hidden + columns] = weight_cols.contiguous().view(x.dtype)
-    rows[:, hidden + columns : hidden + columns + top_k] = id_cols.to(x.dtype)
-    rows[:, hidden + columns + top_k :] = 0
-    return rows, first
+    hidden, weight_end = x.shape[1], _weight_columns(top_k, x.dtype)
+    columns = x.new_zeros(num_tokens * top_k + 1, dispatch_row_width(hidden, top_k, x.dtype) - hidden)
+    columns[:-1, :weight_end] = weight_cols.contiguous().view(x.dtype)
+    columns[:-1, weight_end : weight_end + top_k] = id_cols.to(x.dtype)
+    columns[-1, weight_end : weight_end + top_k] = -1
+    return first, columns
+
+
+def _gather_send(x: torch.Tensor, columns: torch.Tensor, slot: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The send buffer [num_rows, row width]: each slot's row gathered from the assignment whose
+    ``slot`` it is (tokens' hidden states and the assignments' columns), padding rows where no
+    assignment has it (their ids -1, their hidden state any token's). Built by gathering into the
+    send buffer's rows, so a token's further assignments to a bucket cost nothing."""
+    num_tokens, top_k = slot.shape
+    padding = num_tokens * top_k  # the padding row of ``columns``
+    targets = torch.where(slot >= 0, slot, num_rows).flatten()
+    assignment = torch.full((num_rows + 1,), padding, dtype=torch.int64, device=x.device)
+    assignment = assignment.scatter_(0, targets, torch.arange(padding, device=x.device))[:num_rows]
+    if num_tokens == 0:
+        return torch.cat([x.new_zeros(num_rows, x.shape[1]), columns[assignment]], dim=1)
+    token = (assignment // top_k).clamp(max=num_tokens - 1)
+    return torch.cat([x[token], columns[assignment]], dim=1)
 
 
 def _weight_columns(top_k: int, dtype: torch.dtype) -> int:
@@ -487,31 +504,24 @@ def split_dispatch_rows(rows: torch.Tensor, hidden: int, top_k: int) -> tuple[to
 def dispatch_plan(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int, cap: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the combine slot of each (token, expert) assignment [tokens, top_k], assignments dropped,
-    the send buffer [chunks * world * cap + 1, row width] with every kept row in its slot).
+    """(each (token, expert) assignment's slot in the send buffer [tokens, top_k], -1 for all but
+    a token's first assignment to a bucket and for rows past capacity; assignments dropped; the
+    send buffer [chunks * world * cap, row width] with every kept row in its slot).
 
-    A token sends one row per bucket its experts fall in (``_dispatch_rows``). Slots are
-    group-major, then destination, in token order within a (group, destination) bucket; rows
-    past capacity go to the last (trash) row, and so does every assignment but a token's first
-    to its bucket in the combine slots (its output comes back in the first one's row, summed). The
-    count runs along one contiguous row per bucket, a fast inner-dimension scan (an
-    outer-dimension one is ~19x slower on an H200: benchmarks/h200x2/explore/moe_dispatch_scan.log).
-    The bucket ids are made per call, not kept: a captured graph keeps its own, whatever
-    expert_chunks is set to later. Padding rows carry ids -1 and are never read back, so only
-    their id columns are written.
+    A token sends one row per bucket its experts fall in (``_row_columns``), and its output comes
+    back in that row, summed over those experts. Slots are group-major, then destination, in
+    token order within a (group, destination) bucket. The count runs along one contiguous row per
+    bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
+    benchmarks/h200x2/explore/moe_dispatch_scan.log). The bucket ids are made per call, not kept:
+    a captured graph keeps its own, whatever expert_chunks is set to later.
     """
-    trash = chunks * world * cap
     bucket = expert_buckets(ids, n_local, chunks, world)
-    rows, first = _dispatch_rows(x, ids, weights, n_local, bucket)
+    first, columns = _row_columns(x, ids, weights, n_local, bucket)
     in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
     pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
     kept = pos < cap
-    slot = torch.where(kept & first, bucket * cap + pos, trash)
-    send = x.new_empty(trash + 1, rows.shape[1])
-    top_k = ids.shape[1]
-    id_start = x.shape[1] + _weight_columns(top_k, x.dtype)
-    send[:, id_start : id_start + top_k] = -1
-    return slot, (~kept).sum(), send.index_copy_(0, slot.flatten(), rows)
+    slot = torch.where(kept & first, bucket * cap + pos, -1)
+    return slot, (~kept).sum(), _gather_send(x, columns, slot, chunks * world * cap)
 
 
 @fused
@@ -530,20 +540,18 @@ def sort_by_expert(
 def counted_dispatch_plan(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the combine slot of each assignment, rows per (group, destination) bucket [chunks *
-    world], the send buffer [tokens * top_k + 1, row width]) with the buckets packed one after
-    another in group-major, destination order from the first row: ``dispatch_plan``'s layout
-    without capacity. Its last row is the trash row of the assignments whose rows others carry."""
+    """(each assignment's slot, -1 for all but a token's first to a bucket; rows per (group,
+    destination) bucket [chunks * world]; the send buffer [tokens * min(top_k, buckets), row
+    width]) with the buckets packed one after another in group-major, destination order from the
+    first row: ``dispatch_plan``'s layout without capacity."""
     num_tokens, top_k = ids.shape
-    trash = num_tokens * top_k
     bucket = expert_buckets(ids, n_local, chunks, world)
-    rows, first = _dispatch_rows(x, ids, weights, n_local, bucket)
+    first, columns = _row_columns(x, ids, weights, n_local, bucket)
     in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
     counts = in_bucket.sum(1)
     pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
-    slot = torch.where(first, (counts.cumsum(0) - counts)[bucket] + pos, trash)
-    send = x.new_empty(trash + 1, rows.shape[1])
-    return slot, counts, send.index_copy_(0, slot.flatten(), rows)
+    slot = torch.where(first, (counts.cumsum(0) - counts)[bucket] + pos, -1)
+    return slot, counts, _gather_send(x, columns, slot, num_tokens * min(top_k, chunks * world))
 
 
 def _offsets(rows: list[list[int]]) -> list[int]:
@@ -566,33 +574,22 @@ def _static_only() -> bool:
     )
 
 
-@fused
 def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's rows gathered back from their slots (each already its experts' weighted sum
-    at one destination; further assignments to a bucket read the zero trash row) and summed in
-    float32 (plus the shared experts' output)."""
-    num_tokens, top_k = slot.shape
-    routed = back[slot].view(num_tokens, top_k, back.shape[1]).float().sum(dim=1).to(back.dtype)
-    return routed if shared is None else routed + shared
-
-
-@fused
-def weighted_rows(out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One output row per dispatch row: its experts' outputs ``out`` [rows * top_k, hidden],
-    weighted and summed in float32; columns without an expert (ids < 0) add nothing, whatever
-    their outputs hold."""
-    rows, top_k = ids.shape
-    expert_out = out.view(rows, top_k, out.shape[1]).float() * weights[..., None]
-    return torch.where((ids >= 0)[..., None], expert_out, 0.0).sum(dim=1).to(out.dtype)
+    at one destination; -1: none) and summed in float32, with the shared experts' output."""
+    return gather_sum(back, slot, add=shared)
 
 
 @fused
 def pad_expert_rows(
     x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows in [experts, capacity, hidden] blocks, each row's slot there or the trash slot past
-    them, rows dropped): a row's slot is its expert's block plus its rank among that expert's rows
-    (the dispatch's inner-dimension scan). Padding rows (expert -1) go to the trash slot."""
+    """(rows in [experts, capacity, hidden] blocks, each (row, expert) pair's slot there or the
+    trash slot past them, pairs dropped) for ``expert`` [rows * k], the experts of each row of
+    ``x`` in turn: a pair's slot is its expert's block plus its rank among that expert's pairs
+    (the dispatch's inner-dimension scan). Padding (expert < 0) goes to the trash slot."""
+    if len(x) and len(expert) != len(x):
+        x = x.repeat_interleave(len(expert) // len(x), dim=0)
     trash = num_experts * capacity
     ids = torch.arange(num_experts, device=x.device)[:, None]
     rank = (expert == ids).cumsum(1).gather(0, expert.clamp(min=0)[None])[0] - 1

@@ -1,0 +1,116 @@
+"""gather_sum: each output row the weighted float32 sum of the rows its index names, skipping
+negative indices (whatever the source or the weight holds there), plus ``add``; the torch path
+on CPU against a float64 reference, the Triton kernel against the torch path (interpreted on CPU
+where triton is installed, and on a GPU, also replayed from a CUDA graph).
+
+Tolerance: one rounding of the float32 sum to the output dtype (exact in float32 up to the sum's
+own rounding: 1e-6 relative)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.interpreted import run_interpreted
+from ubatch.models.gather_sum import _gather_sum_torch, gather_sum
+
+ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
+def reference(src, index, weight=None, add=None):
+    out = torch.zeros(index.shape[0], src.shape[1], dtype=torch.float64)
+    for i, row in enumerate(index.tolist()):
+        for j, source in enumerate(row):
+            if source >= 0:
+                out[i] += src[source].double() * (1.0 if weight is None else float(weight[i, j]))
+    return out if add is None else out + add.double()
+
+
+def _case(rows, k, n, hidden, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(n, hidden, generator=g).to(dtype)
+    index = torch.randint(-1, n, (rows, k), generator=g)
+    weight = torch.rand(rows, k, generator=g)
+    weight[index < 0] = float("nan")  # never read
+    add = torch.randn(rows, hidden, generator=g).to(dtype)
+    return src, index, weight, add
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    k=st.integers(1, 8),
+    n=st.integers(1, 12),
+    hidden=st.integers(1, 40),
+    dtype=st.sampled_from(list(ROUNDING)),
+    weighted=st.booleans(),
+    added=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_path_matches_the_reference(rows, k, n, hidden, dtype, weighted, added, seed):
+    src, index, weight, add = _case(rows, k, n, hidden, dtype, seed)
+    weight, add = (weight if weighted else None), (add if added else None)
+    got = gather_sum(src, index, weight, add)
+    assert got.dtype == dtype and got.shape == (rows, hidden)
+    expected = reference(src, index, weight, add)
+    torch.testing.assert_close(got.double(), expected, rtol=ROUNDING[dtype], atol=ROUNDING[dtype])
+
+
+def test_rows_a_negative_index_names_are_not_read():
+    src = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]])
+    index = torch.tensor([[0, -1], [-1, -1]])
+    weight = torch.tensor([[2.0, float("nan")], [float("nan"), 1.0]])
+    torch.testing.assert_close(gather_sum(src, index, weight), torch.tensor([[2.0, 4.0], [0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((torch.zeros(3), torch.zeros(2, 1, dtype=torch.int64)), ValueError, "src \\[n, hidden\\]"),
+        ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int32)), TypeError, "int64"),
+        ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 2)), ValueError, "weight"),
+        ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), None, torch.zeros(3, 2)), ValueError, "add"),
+    ],
+)
+def test_bad_inputs_name_the_problem(args, error, message):
+    with pytest.raises(error, match=message):
+        gather_sum(*args)
+
+
+def test_triton_kernel_interpreted():
+    """The kernel under Triton's CPU interpreter against the torch path: every dtype, weighted or
+    not, with and without ``add``, a strided source, a hidden size past one block."""
+    script = """
+import torch
+from ubatch.models import gather_sum as m
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows, k, n, hidden in ((5, 3, 7, 8), (4, 8, 9, 1100), (0, 2, 3, 5)):
+        wide = torch.randn(n, hidden + 6).to(dtype)
+        index = torch.randint(-1, n, (rows, k))
+        weight = torch.rand(rows, k)
+        weight[index < 0] = float("nan")
+        add = torch.randn(rows, hidden).to(dtype)
+        for src in (wide[:, :hidden].contiguous(), wide[:, 3 : 3 + hidden]):
+            for w in (None, weight):
+                for a in (None, add):
+                    got = m._gather_sum_triton(src, index, w, a)
+                    want = m._gather_sum_torch(src, index, w, a)
+                    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5)
+print("interpreted kernel ok")
+"""
+    run_interpreted(script)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_the_torch_path_and_replays_from_a_graph(dtype):
+    src, index, weight, add = (t.cuda() for t in _case(300, 8, 700, 4096, dtype, 0))
+    got = gather_sum(src, index, weight, add)
+    torch.testing.assert_close(got, _gather_sum_torch(src, index, weight, add), rtol=ROUNDING[dtype], atol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gather_sum(src, index, weight, add)
+    src.mul_(2)
+    graph.replay()
+    torch.testing.assert_close(captured, _gather_sum_torch(src, index, weight, add), rtol=ROUNDING[dtype], atol=1e-5)
