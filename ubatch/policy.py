@@ -98,9 +98,7 @@ def calibrate(
     # A split launches everything the whole step does: its host time is never below the whole
     # step's, whatever noise made one measurement of it shorter (with nothing to hide, a noisy
     # unsplit time would otherwise predict a split faster).
-    costs = StepCosts(
-        samples[largest][0] / largest, comm, host, max(step_time(smallest, 2), host) / 2, stages=stages
-    )
+    costs = StepCosts(samples[largest][0] / largest, comm, host, max(step_time(smallest, 2), host) / 2, stages=stages)
     stretch = step_time(largest, 2) / costs.pipeline_ms(largest, 2)
     return dataclasses.replace(costs, split_stretch=max(1.0, stretch))
 
