@@ -94,9 +94,12 @@ if want link; then  # the link stand-in alone: its GPU tests, then what it reach
   timeout 120 python3 scripts/link_bandwidth.py --out "$OUT/link_bandwidth.json" 2>&1 | tee "$OUT/link_bandwidth.log" | tail -20
 fi
 # one H200: every overlap mode from graphs, no communication, then over the link stand-in paced so
-# that communication is ~40-100% of the step's compute (docs/overlap-modes.md); decode and prefill
-# are separate parts, each well inside one 10-minute call
+# that communication is ~40-100% of the step's compute (docs/overlap-modes.md), with capacity
+# factors measured from the routing (at 2.0 a pipelined mode's buckets, with fewer experts each,
+# send more padding than one bucket of every expert); decode and prefill are separate parts, each
+# well inside one 10-minute call
 common="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0"
+measured="-m ubatch.bench --graphs --layers 4 --capacity-factor measured"
 split_modes="overlap,pipeline2,pipeline4,split2,split2+pipeline2"
 if want modes; then
   decode_modes="$split_modes,split2+join,split2+join+pipeline2,split2+join+pipeline4,split2+local"
@@ -105,30 +108,25 @@ if want modes; then
   # what each mode adds, and where the unsplit 1024-token step (a third of its roofline) spends its time
   timeout 180 python3 scripts/mode_kernels.py --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --top 8 2>&1 \
     | grep -v -i warn | tee "$OUT/mode_kernels_moe_decode256_1024.log"
-  run1 180 $mode_decode $decode_modes,split2@green16,split2+join@green16 --preset moe-bench --link host:10 \
-    --out "$OUT/modes_moe_decode_link10.json" | tail -36
-  run1 150 $mode_decode $decode_modes --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33.json" \
-    | tail -30
-  # the same with capacity factors measured from its routing instead of 2.0: how much less the dispatch moves
-  run1 180 $mode_decode $decode_modes --preset deepseek-bench --link host:33 --capacity-factor measured \
-    --out "$OUT/modes_deepseek_decode_link33_measured_capacity.json" | tail -31
+  link_decode="$measured --workload decode --tokens 256,1024 --modes $decode_modes"
+  run1 180 $link_decode --preset moe-bench --link host:5 --out "$OUT/modes_moe_decode_link5.json" | tail -31
+  run1 180 $link_decode --preset deepseek-bench --link host:5 --out "$OUT/modes_deepseek_decode_link5.json" | tail -31
 fi
 if want modes_prefill; then
   # what a prefill split adds (its cost without communication) and leaves exposed over the link
-  for link in none host:27; do
+  for link in none host:12.5; do
     timeout 200 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link "$link" \
       --modes pipeline2,pipeline4,split2,split3,split2+local --top 10 2>&1 | grep -v -i warn \
       | tee -a "$OUT/mode_kernels_moe_prefill4096.log"
   done
   # traces of where pipelining falls short of the schedule model and of what own rows first hides
-  timeout 150 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link host:27 --modes pipeline4,split2+local \
-    --trace-dir "$OUT/traces_prefill4096_link27" --top 0 2>&1 | grep -v -i warn | tail -3
+  timeout 150 python3 scripts/mode_kernels.py --workload prefill --tokens 4096 --link host:12.5 --modes pipeline4,split2 \
+    --trace-dir "$OUT/traces_prefill4096_link12.5" --top 0 2>&1 | grep -v -i warn | tail -3
 fi
 if want modes_prefill || want modes_prefill_sweeps; then
-  mode_prefill="$common --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
-  run1 180 $mode_prefill --preset moe-bench --link host:27 --out "$OUT/modes_moe_prefill_link27.json" | tail -14
-  # communication-bound: more ubatches in flight shorten the bare head and tail
-  run1 300 $mode_prefill,split4,split4+local --preset deepseek-bench --link host --out "$OUT/modes_deepseek_prefill_link.json" | tail -16
+  mode_prefill="$measured --workload prefill --prompt-len 512 --tokens 4096 --modes $split_modes,split3,local,split2+local,split3+local"
+  run1 180 $mode_prefill --preset moe-bench --link host:12.5 --out "$OUT/modes_moe_prefill_link12.5.json" | tail -14
+  run1 300 $mode_prefill,split4 --preset deepseek-bench --link host:8 --out "$OUT/modes_deepseek_prefill_link8.json" | tail -16
 fi
 if want modes_tp; then  # tensor parallelism over the stand-in: chunked all-reduces against a split
   run1 150 -m ubatch.bench --graphs --layers 4 --model dense --preset dense-bench --workload prefill --prompt-len 512 \
@@ -154,23 +152,17 @@ if want kv_pages; then  # flash-attn 4 reads a page of its key tile (128 tokens)
     --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_kv128.json" | tail -14
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
-  fused="-m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue --workload decode --tokens 256,1024"
+  fused="--fuse-glue --workload decode --tokens 256,1024"
   fused="$fused --modes overlap,pipeline2,pipeline4,split2,split2+join,split2+join+pipeline2,split2+join+pipeline4"
-  run1 200 $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -26
-  run1 200 $fused --preset moe-bench --link host:10 --out "$OUT/modes_moe_decode_link10_fused.json" | tail -26
-  run1 200 $fused --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_fused.json" | tail -26
-  for preset_link in moe-bench:host:10 deepseek-bench:host:33; do
-    timeout 200 python3 scripts/mode_kernels.py --preset "${preset_link%%:*}" --link "${preset_link#*:}" --fuse-glue \
+  run1 200 $common $fused --preset moe-bench --out "$OUT/modes_moe_decode_nocomm_fused.json" | tail -26
+  run1 200 $measured $fused --preset moe-bench --link host:5 --out "$OUT/modes_moe_decode_link5_fused.json" | tail -26
+  run1 200 $measured $fused --preset deepseek-bench --link host:5 --out "$OUT/modes_deepseek_decode_link5_fused.json" \
+    | tail -26
+  for preset in moe-bench deepseek-bench; do
+    timeout 200 python3 scripts/mode_kernels.py --preset "$preset" --link host:5 --fuse-glue \
       --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2 --top 8 2>&1 | grep -v -i warn \
-      | tee "$OUT/mode_kernels_${preset_link%%:*}_decode256_link_fused.log"
+      | tee "$OUT/mode_kernels_${preset}_decode256_link5_fused.log"
   done
-  # fused pipelining at 1024 tokens loses in the sweep, which captured 256 tokens first: the same order
-  # here, then the sweep's pipelining with the glue compiled per shape (suspect: kernels tuned for 256)
-  timeout 200 python3 scripts/mode_kernels.py --preset deepseek-bench --link host:33 --fuse-glue --tokens 256,1024 \
-    --modes pipeline2 --top 12 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek-bench_decode256_1024_link_fused.log"
-  run1 240 -m ubatch.bench --graphs --layers 4 --capacity-factor 2.0 --fuse-glue static --workload decode \
-    --tokens 256,1024 --modes pipeline2,split2 --preset deepseek-bench --link host:33 \
-    --out "$OUT/modes_deepseek_decode_link33_fused_static.json" | tail -12
 fi
 if want flash; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \

@@ -19,10 +19,12 @@ MODES = parse_modes("overlap,pipeline2,split2,split3,split2+join,split2+join+pip
 
 def test_routing_fill_is_the_fullest_bucket_and_expert_over_their_balanced_shares():
     ids = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])  # 4 experts over 2 ranks: 0, 1 on rank 0
-    # every token sends rank 0 one row, whichever of its experts are there: 4 rows (share 4, of the
-    # 8 assignments); expert 0 takes 3 assignments (share 2)
-    assert routing_fill(ids, num_experts=4, world=2, chunks=1).tolist() == [1.0, 1.5]
-    # two expert groups of one expert per rank: the buckets are the experts (share 2)
+    # every token sends rank 0 one row, whichever of its experts are there: 4 rows, where a uniform
+    # router's top-2 misses both of a rank's experts 1 time in 6 (share 10 / 3); expert 0 takes 3
+    # assignments (share 2)
+    assert routing_fill(ids, num_experts=4, world=2, chunks=1).tolist() == pytest.approx([1.2, 1.5])
+    # two expert groups of one expert per rank: the buckets are the experts (a token misses one
+    # half the time: share 2)
     assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == [1.5, 1.5]
 
 

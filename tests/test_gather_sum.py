@@ -3,8 +3,9 @@ negative indices (whatever the source or the weight holds there), plus ``add``; 
 on CPU against a float64 reference, the Triton kernel against the torch path (interpreted on CPU
 where triton is installed, and on a GPU, also replayed from a CUDA graph).
 
-Tolerance: one rounding of the float32 sum to the output dtype (exact in float32 up to the sum's
-own rounding: 1e-6 relative)."""
+Tolerance: against the float64 reference, one rounding of the float32 sum to the output dtype
+(half an ulp; float32: 1e-6 relative); kernel against torch path, one ulp (the float32 sums may
+differ in their last bit, and round to neighbouring values)."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tests.interpreted import run_interpreted
 from ubatch.models.gather_sum import _gather_sum_torch, gather_sum
 
 ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def reference(src, index, weight=None, add=None):
@@ -107,10 +109,10 @@ print("interpreted kernel ok")
 def test_cuda_kernel_matches_the_torch_path_and_replays_from_a_graph(dtype):
     src, index, weight, add = (t.cuda() for t in _case(300, 8, 700, 4096, dtype, 0))
     got = gather_sum(src, index, weight, add)
-    torch.testing.assert_close(got, _gather_sum_torch(src, index, weight, add), rtol=ROUNDING[dtype], atol=1e-5)
+    torch.testing.assert_close(got, _gather_sum_torch(src, index, weight, add), rtol=ULP[dtype], atol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = gather_sum(src, index, weight, add)
     src.mul_(2)
     graph.replay()
-    torch.testing.assert_close(captured, _gather_sum_torch(src, index, weight, add), rtol=ROUNDING[dtype], atol=1e-5)
+    torch.testing.assert_close(captured, _gather_sum_torch(src, index, weight, add), rtol=ULP[dtype], atol=1e-5)

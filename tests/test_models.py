@@ -247,13 +247,13 @@ def test_padded_expert_gemm_counts_the_rows_past_an_experts_capacity(monkeypatch
 
 
 def test_moe_small_capacity_counts_overflow():
-    config = ModelConfig.preset("tiny-moe", capacity_factor=0.25)
+    config = ModelConfig.preset("tiny-moe", capacity_factor=0.5)
     layer = MoEFFN(config, 0, device=torch.device("cpu"))
     x = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         layer(x)
-    # One rank and one bucket: each token sends one row holding both its experts, and the
-    # capacity, ceil(0.25 * 64 assignments) = 16 rows, keeps 16 tokens' rows of 32.
+    # One rank and one bucket: every token sends it one row holding both its experts, and the
+    # capacity, ceil(0.5 * 32 rows), keeps 16 tokens' rows of 32.
     assert layer.capacity(32) == 16
     assert int(layer.overflow_count) == (32 - 16) * layer.top_k
 

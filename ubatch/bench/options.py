@@ -89,8 +89,8 @@ def add_model_overrides(p: argparse.ArgumentParser, *, measured_capacity: bool =
         "--capacity-factor",
         type=capacity_factor_arg if measured_capacity else positive_float,
         help="MoE: bound the rows each rank sends each "
-        "peer to ceil(f * tokens * top_k / world), at most one per token (default: one per token, nothing "
-        "dropped); reports "
+        "peer to f times what a uniform router sends, at most one per token (default: one per token, "
+        "nothing dropped); reports "
         f"the share of assignments dropped, unsplit and ubatched{measured}",
     )
 

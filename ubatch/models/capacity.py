@@ -10,8 +10,8 @@ in the bench: 0 where it held).
 A call's fill is two ratios, each a count over its balanced share, and each sets its own factor:
 
 - per (expert group, destination rank) bucket: the rows this rank would send there (one per token
-  with any expert there), over ``tokens * top_k / (world * expert_chunks)`` (what
-  ``MoEFFN.capacity`` bounds);
+  with any expert there), over what a uniform router would send (``moe.balanced_bucket_rows``,
+  what ``MoEFFN.capacity`` scales);
 - per expert: this rank's rows for it, over ``tokens * top_k / num_experts``. A receiver's rows
   for an expert are the sum over senders, so if every sender stays within ratio r of its share,
   the receiver stays within r of its own (what ``MoEFFN.expert_capacity`` bounds).
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ubatch.models.moe import expert_buckets
+from ubatch.models.moe import balanced_bucket_rows, expert_buckets
 
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
@@ -49,7 +49,7 @@ def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -
     per_expert = torch.bincount(ids.flatten(), minlength=num_experts)
     return torch.stack(
         [
-            per_bucket.max().double() / (tokens * top_k / (world * chunks)),
+            per_bucket.max().double() / balanced_bucket_rows(tokens, num_experts, top_k, world, chunks),
             per_expert.max().double() / (tokens * top_k / num_experts),
         ]
     )

@@ -191,12 +191,13 @@ class MoEFFN(nn.Module):
 
     def capacity(self, num_tokens: int) -> int:
         """Rows each rank sends to each destination rank per expert group for ``num_tokens``
-        tokens: the worst case (every token, one row each), or ``capacity_factor`` times a
-        balanced router's share of the (token, expert) assignments, at most the worst case."""
+        tokens: the worst case (every token, one row each), or ``capacity_factor`` times what a
+        uniform router sends there (``balanced_bucket_rows``), at most the worst case."""
         if self.capacity_factor is None:
             return num_tokens
-        share = num_tokens * self.top_k / (self.ep_world * self.expert_chunks)
-        return max(1, min(num_tokens, math.ceil(self.capacity_factor * share)))
+        experts = self.num_local_experts * self.ep_world
+        balanced = balanced_bucket_rows(num_tokens, experts, self.top_k, self.ep_world, self.expert_chunks)
+        return max(1, min(num_tokens, math.ceil(self.capacity_factor * balanced)))
 
     @property
     def expert_chunks(self) -> int:
@@ -433,6 +434,16 @@ def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torc
     probs = F.linear(x.float(), router).softmax(dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def balanced_bucket_rows(num_tokens: int, num_experts: int, top_k: int, world: int, chunks: int) -> float:
+    """Rows one (expert group, destination) bucket gets from ``num_tokens`` tokens routed
+    uniformly: a token sends one if any of its ``top_k`` distinct experts is among the bucket's
+    ``num_experts / (world * chunks)``. With fine-grained experts nearly every token does, and
+    more expert groups (fewer experts a bucket) take more rows in all."""
+    in_bucket = num_experts // (world * chunks)
+    missed = math.comb(num_experts - in_bucket, top_k) / math.comb(num_experts, top_k)
+    return num_tokens * (1 - missed)
 
 
 def expert_buckets(ids: torch.Tensor, n_local: int, chunks: int, world: int) -> torch.Tensor:
