@@ -26,9 +26,9 @@ _DTYPES = {
 class ModelConfig:
     """Sizes of a Llama-style decoder, plus the MoE fields (unused when ``num_experts == 0``).
 
-    ``capacity_factor`` None gives every expert-parallel destination worst-case capacity
-    (tokens * top_k rows), so no token is ever dropped; a finite factor f bounds it to
-    ceil(f * tokens * top_k / ep_world_size) rows and the MoE layers count what overflows.
+    ``capacity_factor`` None gives every expert-parallel destination worst-case capacity (a row
+    per token), so no token is ever dropped; a finite factor f bounds it to f times the rows a
+    uniform router sends there (``MoEFFN.capacity``) and the MoE layers count what overflows.
     """
 
     vocab_size: int = 128
