@@ -473,6 +473,21 @@ def _row_columns(
     return first, columns
 
 
+def _bucket_rows(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both dispatch plans start from, per assignment [tokens, top_k]: its bucket, whether it
+    is its token's first to that bucket, its row's extra columns (``_row_columns``); the rows per
+    bucket; and its row's position in its bucket. The count runs along one contiguous row per
+    bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
+    benchmarks/h200x2/explore/moe_dispatch_scan.log)."""
+    bucket = expert_buckets(ids, n_local, chunks, world)
+    first, columns = _row_columns(x, ids, weights, n_local, bucket)
+    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
+    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
+    return bucket, first, columns, in_bucket.sum(1), pos
+
+
 def _gather_send(x: torch.Tensor, columns: torch.Tensor, slot: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The send buffer [num_rows, row width]: each slot's row gathered from the assignment whose
     ``slot`` it is (tokens' hidden states and the assignments' columns), padding rows where no
@@ -521,15 +536,10 @@ def dispatch_plan(
 
     A token sends one row per bucket its experts fall in (``_row_columns``), and its output comes
     back in that row, summed over those experts. Slots are group-major, then destination, in
-    token order within a (group, destination) bucket. The count runs along one contiguous row per
-    bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
-    benchmarks/h200x2/explore/moe_dispatch_scan.log). The bucket ids are made per call, not kept:
+    token order within a (group, destination) bucket. The bucket ids are made per call, not kept:
     a captured graph keeps its own, whatever expert_chunks is set to later.
     """
-    bucket = expert_buckets(ids, n_local, chunks, world)
-    first, columns = _row_columns(x, ids, weights, n_local, bucket)
-    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
-    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
+    bucket, first, columns, counts, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
     kept = pos < cap
     slot = torch.where(kept & first, bucket * cap + pos, -1)
     return slot, (~kept).sum(), _gather_send(x, columns, slot, chunks * world * cap)
@@ -556,11 +566,7 @@ def counted_dispatch_plan(
     width]) with the buckets packed one after another in group-major, destination order from the
     first row: ``dispatch_plan``'s layout without capacity."""
     num_tokens, top_k = ids.shape
-    bucket = expert_buckets(ids, n_local, chunks, world)
-    first, columns = _row_columns(x, ids, weights, n_local, bucket)
-    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
-    counts = in_bucket.sum(1)
-    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
+    bucket, first, columns, counts, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
     slot = torch.where(first, (counts.cumsum(0) - counts)[bucket] + pos, -1)
     return slot, counts, _gather_send(x, columns, slot, num_tokens * min(top_k, chunks * world))
 
