@@ -146,10 +146,10 @@ if want kv_pages; then  # flash-attn 4 reads a page of its key tile (128 tokens)
   done
   timeout 150 python3 scripts/mode_kernels.py --tokens 256,1024 --modes split2 --top 6 2>&1 | grep -v -i warn \
     | tee "$OUT/mode_kernels_moe_decode256_1024_kv128.log"
-  run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --preset moe-bench \
-    --link host:10 --out "$OUT/modes_moe_decode_link10_kv128.json" | tail -12
-  run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,pipeline4,split2,split2+join+pipeline2 \
-    --preset deepseek-bench --link host:33 --out "$OUT/modes_deepseek_decode_link33_kv128.json" | tail -14
+  run1 150 $measured --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2,split2+join --preset moe-bench \
+    --link host:5 --out "$OUT/modes_moe_decode_link5_kv128.json" | tail -12
+  run1 150 $measured --workload decode --tokens 256,1024 --modes overlap,pipeline2,pipeline4,split2,split2+join+pipeline2 \
+    --preset deepseek-bench --link host:5 --out "$OUT/modes_deepseek_decode_link5_kv128.json" | tail -14
 fi
 if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-glue), and what each mode exposes
   fused="--fuse-glue --workload decode --tokens 256,1024"
