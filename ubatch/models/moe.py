@@ -357,12 +357,12 @@ class MoEFFN(nn.Module):
         w13, w2 = self.w13[experts], self.w2[experts]
         capacity = self.expert_capacity(num_tokens, ids.numel())
         if capacity is not None:
-            out, where = self._experts_padded(x, ids.flatten(), w13, w2, capacity)
+            out, position = self._experts_padded(x, ids.flatten(), w13, w2, capacity)
         elif self.use_grouped_mm:
-            out, where = self._experts_grouped(x, ids, w13, w2)
+            out, position = self._experts_grouped(x, ids, w13, w2)
         else:
             return self._experts_masked(x, ids, weights, w13, w2)
-        return gather_sum(out, torch.where(ids >= 0, where.view_as(ids), -1), weights)
+        return gather_sum(out, torch.where(ids >= 0, position.view_as(ids), -1), weights)
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
@@ -539,7 +539,7 @@ def dispatch_plan(
     token order within a (group, destination) bucket. The bucket ids are made per call, not kept:
     a captured graph keeps its own, whatever expert_chunks is set to later.
     """
-    bucket, first, columns, counts, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
+    bucket, first, columns, _, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
     kept = pos < cap
     slot = torch.where(kept & first, bucket * cap + pos, -1)
     return slot, (~kept).sum(), _gather_send(x, columns, slot, chunks * world * cap)
