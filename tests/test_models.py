@@ -258,12 +258,14 @@ def test_moe_small_capacity_counts_overflow():
     assert int(layer.overflow_count) == (32 - 16) * layer.top_k
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek"])
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(chunks):
-    """Without a capacity factor an eager step exchanges its counts and sends its real rows; with
-    a capacity no row can exceed, the static path sends every bucket at worst-case size. Over the
-    CPU link stand-in (world 2) the bytes moved say which rows travelled."""
-    config = ModelConfig.preset("tiny-moe")
+def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(preset, chunks):
+    """Without a capacity factor an eager step exchanges its counts and sends its real rows, one
+    per token and bucket of the other rank's (top-4 of 16: a token's experts there share one);
+    with a capacity no row can exceed, the static path sends every bucket at worst-case size. Over
+    the CPU link stand-in (world 2) the bytes moved say which rows travelled."""
+    config = ModelConfig.preset(preset)
     counted_link, static_link = HostLink(2, 1e6, device="cpu"), HostLink(2, 1e6, device="cpu")
     counted = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=counted_link)
     static = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=static_link)
