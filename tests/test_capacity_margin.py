@@ -23,8 +23,10 @@ def test_routing_fill_is_the_fullest_bucket_and_expert_over_their_balanced_share
     # router's top-2 misses both of a rank's experts 1 time in 6 (share 10 / 3); expert 0 takes 3
     # assignments (share 2)
     assert routing_fill(ids, num_experts=4, world=2, chunks=1).tolist() == pytest.approx([1.2, 1.5])
-    # two expert groups of one expert per rank: the buckets are the experts (a token misses one
-    # half the time: share 2)
+    # two expert groups of one expert per rank: a row goes in the dispatch chunk of its earliest
+    # group (chunk 0's share 2 of 4 tokens, chunk 1's 4 / 3) and comes back in the combine chunk
+    # of its latest (the same shares reversed): rank 0's dispatch chunk 0 takes tokens 0-2 (3 of
+    # share 2), its combine chunk 0 tokens 1 and 2 (2 of share 4 / 3)
     assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == [1.5, 1.5]
 
 
@@ -43,12 +45,13 @@ def _mode_runs(model, step):
 
 def test_measured_factors_drop_nothing_on_the_runs_they_came_from_and_less_would():
     model = build_model(ModelConfig.preset("tiny-deepseek", capacity_factor=3.0), device="cpu")
-    step, _ = make_step(model, [1] * 24 + [9, 7], [5] * 24 + [0, 3])
+    # enough tokens that a block of the expert groups' smallest chunk (a token's top-4 misses 8 of
+    # the 16 experts 1 time in 26) holds a few rows, or rounding up keeps any smaller factor whole
+    step, _ = make_step(model, [1] * 128 + [9, 7], [5] * 128 + [0, 3])
     measured = measure_capacity(model, _mode_runs(model, step), margin=1.0)
     assert all(
         layer.capacity_factor == 3.0 and layer.expert_capacity_factor is None for layer in model.moe_layers.values()
     ), "measuring leaves the model's factors as they were"
-    # one row per token and bucket: with top-4 the buckets fill below the assignments' share
     assert measured.dispatch >= measured.dispatch_fill > 0 and measured.expert >= measured.expert_fill > 1
     assert measured.dispatch - measured.dispatch_fill < 0.05 and measured.margin == 1.0
     measured.apply(model)

@@ -72,11 +72,28 @@ def test_rows_a_negative_index_names_are_not_read():
         ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int32)), TypeError, "int64"),
         ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 2)), ValueError, "weight"),
         ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), None, torch.zeros(3, 2)), ValueError, "add"),
+        ((torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), None, None, torch.zeros(2, 3)), ValueError, "out"),
+        (
+            (torch.zeros(3, 2), torch.zeros(2, 1, dtype=torch.int64), None, None, torch.zeros(2, 2).t()),
+            ValueError,
+            "out",
+        ),
     ],
 )
 def test_bad_inputs_name_the_problem(args, error, message):
     with pytest.raises(error, match=message):
         gather_sum(*args)
+
+
+def test_out_may_be_the_add_to_accumulate_in_float32():
+    """What the expert groups do: each group's bf16 outputs added into one float32 sum per row."""
+    first, index, weight, _ = _case(6, 3, 10, 24, torch.bfloat16, 1)
+    second, other, other_weight, _ = _case(6, 2, 10, 24, torch.bfloat16, 2)
+    acc = torch.zeros(6, 24)
+    assert gather_sum(first, index, weight, add=acc, out=acc) is acc
+    gather_sum(second, other, other_weight, add=acc, out=acc)
+    expected = reference(first, index, weight) + reference(second, other, other_weight)
+    torch.testing.assert_close(acc.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_triton_kernel_interpreted():
@@ -96,9 +113,15 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for src in (wide[:, :hidden].contiguous(), wide[:, 3 : 3 + hidden]):
             for w in (None, weight):
                 for a in (None, add):
-                    got = m._gather_sum_triton(src, index, w, a)
-                    want = m._gather_sum_torch(src, index, w, a)
+                    got = torch.empty(rows, hidden, dtype=dtype)
+                    m._gather_sum_triton(src, index, w, a, got)
+                    want = m._gather_sum_torch(src, index, w, a).to(dtype)
                     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5)
+        # accumulating in place: out is add, in float32
+        acc = torch.randn(rows, hidden)
+        want = m._gather_sum_torch(src, index, weight, acc)
+        m._gather_sum_triton(src, index, weight, acc, acc)
+        torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
 print("interpreted kernel ok")
 """
     run_interpreted(script)
@@ -108,11 +131,19 @@ print("interpreted kernel ok")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernel_matches_the_torch_path_and_replays_from_a_graph(dtype):
     src, index, weight, add = (t.cuda() for t in _case(300, 8, 700, 4096, dtype, 0))
+
+    def torch_path(add):
+        return _gather_sum_torch(src, index, weight, add).to(dtype)
+
     got = gather_sum(src, index, weight, add)
-    torch.testing.assert_close(got, _gather_sum_torch(src, index, weight, add), rtol=ULP[dtype], atol=1e-5)
+    torch.testing.assert_close(got, torch_path(add), rtol=ULP[dtype], atol=1e-5)
+    acc = add.float()
+    want = _gather_sum_torch(src, index, weight, acc)
+    gather_sum(src, index, weight, add=acc, out=acc)  # in place, in float32
+    torch.testing.assert_close(acc, want, rtol=2e-6, atol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = gather_sum(src, index, weight, add)
     src.mul_(2)
     graph.replay()
-    torch.testing.assert_close(captured, _gather_sum_torch(src, index, weight, add), rtol=ULP[dtype], atol=1e-5)
+    torch.testing.assert_close(captured, torch_path(add), rtol=ULP[dtype], atol=1e-5)

@@ -19,6 +19,7 @@ from ubatch.bench.workload import make_step
 from ubatch.context import capture_scope, set_forward_context, static_collectives
 from ubatch.link import HostLink
 from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, moe
+from ubatch.models.dispatch import dispatch_row_width
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
 
@@ -186,8 +187,8 @@ def dense_reference_moe(layer: MoEFFN, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("capacity_factor", [None, 4.0])
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_moe_dispatch_matches_dense_reference(preset, use_grouped_mm, capacity_factor, chunks):
-    """A token's experts in one bucket share a row, summed at the expert side; with two expert
-    groups most tokens' experts span both, summed again at the sender."""
+    """A token's experts on one rank share a row, summed at the expert side; with two expert
+    groups the row still travels once, and the expert side adds up both groups' experts."""
     config = ModelConfig.preset(preset, capacity_factor=capacity_factor)
     layer = MoEFFN(config, 0, device=torch.device("cpu"))
     layer.use_grouped_mm = use_grouped_mm
@@ -252,9 +253,9 @@ def test_moe_small_capacity_counts_overflow():
     x = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         layer(x)
-    # One rank and one bucket: every token sends it one row holding both its experts, and the
+    # One rank and one chunk: every token sends it one row holding both its experts, and the
     # capacity, ceil(0.5 * 32 rows), keeps 16 tokens' rows of 32.
-    assert layer.capacity(32) == 16
+    assert layer.capacity(32) == [16]
     assert int(layer.overflow_count) == (32 - 16) * layer.top_k
 
 
@@ -262,9 +263,10 @@ def test_moe_small_capacity_counts_overflow():
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(preset, chunks):
     """Without a capacity factor an eager step exchanges its counts and sends its real rows, one
-    per token and bucket of the other rank's (top-4 of 16: a token's experts there share one);
-    with a capacity no row can exceed, the static path sends every bucket at worst-case size. Over
-    the CPU link stand-in (world 2) the bytes moved say which rows travelled."""
+    per token with any expert on the other rank (top-4 of 16: a token's experts there share one,
+    in every expert group); with a capacity no row can exceed, the static path sends every chunk
+    at worst-case size. Over the CPU link stand-in (world 2) the bytes moved say which rows
+    travelled."""
     config = ModelConfig.preset(preset)
     counted_link, static_link = HostLink(2, 1e6, device="cpu"), HostLink(2, 1e6, device="cpu")
     counted = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=counted_link)
@@ -276,14 +278,11 @@ def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(pre
     with torch.no_grad():
         torch.testing.assert_close(counted(x), static(x), atol=1e-6, rtol=1e-6)
     _, ids = counted.route(x)
-    local = ids % counted.num_local_experts
-    bucket = local // (counted.num_local_experts // chunks) * 2 + ids // counted.num_local_experts
-    # one row per token and bucket of the other rank's, whichever of the token's experts are there
-    remote = sum(int((bucket == b).any(dim=1).sum()) for b in range(1, 2 * chunks, 2))
-    row = 4 * (config.hidden_size + 2 * config.top_k)  # a float32 row with its experts' weights and ids
-    counts = 8 * chunks  # the other rank's int64 count per expert group
+    remote = int((ids // counted.num_local_experts == 1).any(dim=1).sum())
+    row = 4 * dispatch_row_width(config.hidden_size, config.top_k, torch.float32)  # with weights, ids, return position
+    counts = 2 * 8 * chunks  # the other rank's int64 counts per chunk, of the dispatch and of the combine
     assert counted_link.bytes_moved == counts + remote * row + remote * 4 * config.hidden_size
-    worst = 37  # the static path's rows to the other rank, per expert group: one per token
+    worst = 37  # the static path's rows to the other rank, per chunk: one per token
     assert static_link.bytes_moved == chunks * worst * (row + 4 * config.hidden_size)
     assert int(counted.overflow_count) == 0
     # a graph's warm-up runs what its capture runs, and a DP rank whose peers replay issues what they do

@@ -8,20 +8,25 @@ Tolerance: float32 on CPU, atol = rtol = 1e-5 (GEMMs over other row counts or ex
 block their sums differently).
 """
 
+import itertools
 import math
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
 from tests.test_ubatch_models import _forward
 from ubatch import comm, split_batch
 from ubatch.bench.workload import make_step
+from ubatch.context import static_collectives
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
+from ubatch.models.dispatch import dispatch_plan
 from ubatch.models.layers import row_parallel
+from ubatch.models.moe import MoEFFN
 from ubatch.overlap import OverlapMode, apply_mode, supported
 from ubatch.wrapper import UBatchWrapper
 
@@ -92,10 +97,12 @@ def test_expert_chunks_must_divide_local_experts():
 
 def test_capacity_is_per_expert_group():
     layer = next(iter(build_model(ModelConfig(**CONFIG, capacity_factor=1.5), device="cpu").moe_layers.values()))
-    assert layer.capacity(64) == 64  # every token has its experts in the one bucket: 1.5 * 64, capped at 64
+    assert layer.capacity(64) == [64]  # every token has its experts in the one chunk: 1.5 * 64, capped at 64
     layer.expert_chunks = 4
-    # a bucket of 2 of the 8 experts misses a token's top-2 with probability C(6, 2) / C(8, 2)
-    assert layer.capacity(64) == math.ceil(1.5 * 64 * (1 - 15 / 28)) == 45
+    # chunk c: a token's top-2 misses groups 0..c-1 (2 of the 8 experts each) and hits group c
+    missed = [math.comb(8 - 2 * c, 2) / 28 for c in range(5)]
+    expected = [math.ceil(1.5 * 64 * (missed[c] - missed[c + 1])) for c in range(4)]
+    assert layer.capacity(64) == expected == [45, 31, 18, 4]
 
 
 def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
@@ -151,7 +158,7 @@ def test_own_rows_run_before_the_dispatch_is_waited(monkeypatch, capacity_factor
     # static: every bucket at its capacity.
     destinations = routed[0] // layer.num_local_experts
     real = sum(int((destinations == rank).any(dim=1).sum()) for rank in range(2))
-    assert own + peers == (real if capacity_factor is None else layer.capacity(8) * 2)
+    assert own + peers == (real if capacity_factor is None else layer.capacity(8)[0] * 2)
     apply_mode(model, OverlapMode())
 
 
@@ -224,3 +231,36 @@ def test_row_parallel_takes_any_leading_dims_and_more_chunks_than_rows(chunks):
     got = row_parallel(x, weight, HostLink(2, bandwidth_gbps=50.0), chunks)
     assert got.shape == (3, 5, 6)
     torch.testing.assert_close(got, x @ weight.T, **TOL)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("capacity_factor", [0.7, 1.2, None])
+def test_every_kept_row_comes_back_where_its_sender_looks_for_it(chunks, capacity_factor):
+    """Expert groups over the link stand-in (world 2) with blocks too small for some rows: each
+    token gets exactly its experts on the ranks whose rows the plan kept (the expert side placed
+    every row at the return position its sender computed), and every expert of a dropped row is
+    counted."""
+    config = ModelConfig.preset("tiny-deepseek", capacity_factor=capacity_factor)
+    layer = MoEFFN(config, 0, device=torch.device("cpu"), ep_group=HostLink(2, 1e6, device="cpu"))
+    layer.use_grouped_mm = False
+    layer.expert_chunks = chunks
+    x = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(chunks))
+    weights, ids = layer.route(x)
+    caps = layer.capacity(len(x))
+    sizes, back_sizes, _ = layer._static_layout(caps, x.device)
+    n_local = layer.num_local_experts
+    back_slot, dropped, _ = dispatch_plan(x, ids, weights, n_local, chunks, sizes, back_sizes, 2 * sum(caps))
+    with torch.no_grad(), static_collectives():
+        out = layer(x)
+        expected = layer.shared(x)
+        for t, j in itertools.product(range(len(x)), range(config.top_k)):
+            rank, local = divmod(int(ids[t, j]), n_local)  # the stand-in's peer runs our experts
+            if back_slot[t, rank] >= 0:
+                gate, up = (layer.w13[local] @ x[t]).chunk(2)
+                expected[t] += weights[t, j] * (layer.w2[local] @ (F.silu(gate) * up))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert int(layer.overflow_count) == int(dropped)
+    if capacity_factor is None:
+        assert int(dropped) == 0
+    elif capacity_factor < 1:
+        assert int(dropped) > 0

@@ -9,9 +9,10 @@ in the bench: 0 where it held).
 
 A call's fill is two ratios, each a count over its balanced share, and each sets its own factor:
 
-- per (expert group, destination rank) bucket: the rows this rank would send there (one per token
-  with any expert there), over what a uniform router would send (``moe.balanced_bucket_rows``,
-  what ``MoEFFN.capacity`` scales);
+- per (chunk, destination rank) block, of the dispatch (a chunk per expert group, by the earliest
+  group of a token's experts there) and of the combine (by the latest): the rows this rank would
+  send there (one per token with any expert there), over what a uniform router would send
+  (``dispatch.balanced_chunk_rows``, what ``MoEFFN.capacity`` scales);
 - per expert: this rank's rows for it, over ``tokens * top_k / num_experts``. A receiver's rows
   for an expert are the sum over senders, so if every sender stays within ratio r of its share,
   the receiver stays within r of its own (what ``MoEFFN.expert_capacity`` bounds).
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ubatch.models.moe import balanced_bucket_rows, expert_buckets
+from ubatch.models.dispatch import balanced_chunk_rows, row_groups
 
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
@@ -40,19 +41,21 @@ ROUNDING = 0.05  # capacity factors are rounded up to a multiple of this
 
 
 def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -> torch.Tensor:
-    """(fullest bucket's fill, fullest expert's fill), each rows over its balanced share, as a
+    """(fullest block's fill, fullest expert's fill), each rows over its balanced share, as a
     float64 tensor of 2 on ``ids``' device (no host sync; float64 so that a factor rounded up
     from it never falls below it), for expert ids ``[tokens, top_k]`` routed on one rank."""
     tokens, top_k = ids.shape
-    bucket = expert_buckets(ids, num_experts // world, chunks, world)
-    per_bucket = torch.zeros(tokens, chunks * world, dtype=torch.int64, device=ids.device).scatter_(1, bucket, 1).sum(0)
+    first, last, count = row_groups(ids, num_experts // world, chunks, world)
+    rank = torch.arange(world, device=ids.device)
+    shares = torch.tensor(balanced_chunk_rows(tokens, num_experts, top_k, world, chunks), dtype=torch.float64)
+    fills = []
+    for group, share in ((first, shares), (last, shares.flip(0))):
+        block = torch.where(count > 0, group * world + rank, chunks * world).flatten()
+        rows = torch.bincount(block, minlength=chunks * world + 1)[:-1].double()
+        balanced = share.repeat_interleave(world).to(ids.device)
+        fills.append(torch.where(balanced > 0, rows / balanced, 0.0).max())
     per_expert = torch.bincount(ids.flatten(), minlength=num_experts)
-    return torch.stack(
-        [
-            per_bucket.max().double() / balanced_bucket_rows(tokens, num_experts, top_k, world, chunks),
-            per_expert.max().double() / (tokens * top_k / num_experts),
-        ]
-    )
+    return torch.stack([torch.stack(fills).max(), per_expert.max().double() / (tokens * top_k / num_experts)])
 
 
 @dataclass(frozen=True)

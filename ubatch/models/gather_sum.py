@@ -24,19 +24,31 @@ def gather_sum(
     index: torch.Tensor,
     weight: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = add[i] + sum_j weight[i, j] * src[index[i, j]]`` over the ``j`` with
-    ``index[i, j] >= 0``, accumulated in float32 in column order and returned in ``src``'s dtype:
-    [rows, hidden] from ``src`` [n, hidden], ``index`` [rows, k] (int64; negative: nothing to
-    add, and ``src`` is not read there), ``weight`` [rows, k] float32 (None: 1) and ``add``
-    [rows, hidden] (None: 0)."""
-    _check(src, index, weight, add)
+    ``index[i, j] >= 0``, accumulated in float32 in column order: [rows, hidden] from ``src``
+    [n, hidden], ``index`` [rows, k] (int64; negative: nothing to add, and ``src`` is not read
+    there), ``weight`` [rows, k] float32 (None: 1) and ``add`` [rows, hidden] (None: 0). Written
+    to ``out`` (contiguous [rows, hidden], any float dtype; it may be ``add`` itself, to
+    accumulate in place) or returned in ``src``'s dtype."""
+    _check(src, index, weight, add, out)
+    if out is None:
+        out = src.new_empty(index.shape[0], src.shape[1])
     if triton_available(src.device) and src.stride(1) == 1:
-        return _gather_sum_triton(src, index, weight, add)
-    return _gather_sum_torch(src, index, weight, add)
+        _gather_sum_triton(src, index, weight, add, out)
+    else:
+        out.copy_(_gather_sum_torch(src, index, weight, add))
+    return out
 
 
-def _check(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, add: torch.Tensor | None) -> None:
+def _check(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    add: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> None:
     if src.dim() != 2 or index.dim() != 2:
         raise ValueError(
             f"gather_sum needs src [n, hidden] and index [rows, k], got {tuple(src.shape)} and {tuple(index.shape)}"
@@ -50,6 +62,11 @@ def _check(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, 
         )
     if add is not None and add.shape != (index.shape[0], src.shape[1]):
         raise ValueError(f"gather_sum's add must be [{index.shape[0]}, {src.shape[1]}], got {tuple(add.shape)}")
+    if out is not None and (out.shape != (index.shape[0], src.shape[1]) or not out.is_contiguous()):
+        raise ValueError(
+            f"gather_sum's out must be contiguous [{index.shape[0]}, {src.shape[1]}], got {tuple(out.shape)}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def _gather_sum_torch(
@@ -62,17 +79,16 @@ def _gather_sum_torch(
     out = rows.sum(dim=1)
     if add is not None:
         out = out + add.float()
-    return out.to(src.dtype)
+    return out
 
 
 def _gather_sum_triton(
-    src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, add: torch.Tensor | None
-) -> torch.Tensor:
+    src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, add: torch.Tensor | None, out: torch.Tensor
+) -> None:
     rows, k = index.shape
     hidden = src.shape[1]
-    out = src.new_empty(rows, hidden)
     if rows == 0:
-        return out
+        return
     index = index.contiguous()
     block = min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(hidden))
     _gather_sum_kernel[(rows, triton.cdiv(hidden, block))](
@@ -89,7 +105,6 @@ def _gather_sum_triton(
         BLOCK_HIDDEN=block,
         num_warps=4,
     )
-    return out
 
 
 if triton is not None:
@@ -109,7 +124,8 @@ if triton is not None:
         BLOCK_HIDDEN: tl.constexpr,
     ):
         """Output row ``program_id(0)``, columns block ``program_id(1)``: rows with a negative
-        index are neither read nor added (their weight may be anything)."""
+        index are neither read nor added (their weight may be anything). A program reads its
+        block of ``add`` before it writes the same block of ``out``, so the two may alias."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_HIDDEN + tl.arange(0, BLOCK_HIDDEN)
         in_row = cols < hidden
@@ -119,10 +135,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_HIDDEN], dtype=tl.float32)
         for j in tl.static_range(K):
             source = tl.load(index_ptr + row * K + j)
-            valid = source >= 0
             read = in_row & (cols * 0 + source >= 0)  # a vector mask: Triton's interpreter (3.9) takes no scalar in one
             values = tl.load(src_ptr + source * stride_src + cols, mask=read, other=0.0).to(tl.float32)
             if HAS_WEIGHT:
-                values = values * tl.where(valid, tl.load(weight_ptr + row * K + j), 0.0)
+                values = values * tl.where(read, tl.load(weight_ptr + row * K + j), 0.0)
             acc += values
         tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)

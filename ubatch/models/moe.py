@@ -1,18 +1,15 @@
 """The MoE reference model: shared attention blocks, and a routed-expert FFN with expert
 parallelism over an optional process group.
 
-A token travels once to each destination rank (per expert group) that holds any of its experts,
-as DeepEP's dispatch does, not once per expert: its row carries the local ids and router weights
-of all its experts there in extra columns, the destination runs the row through each of them and
-returns one row, their weighted sum, and the sender adds up its rows from every destination. With
-fine-grained experts (top-8 of 64 over two ranks) that moves a quarter of the rows a row per
-expert would.
+A token travels once to each destination rank that holds any of its experts, as DeepEP's dispatch
+does, with or without expert groups (``ubatch.models.dispatch``): with fine-grained experts (top-8
+of 64 over two ranks) that moves a quarter of the rows a row per expert would.
 
 With a ``capacity_factor``, and in any CUDA-graph capture, dispatch and combine are shape-static:
 every buffer's shape depends only on the number of tokens, so there is no host sync and the path
-is graph-capturable. Each rank sends a fixed ``capacity`` rows to every destination rank, and the
-combine returns rows to the slots they were sent from, so the sender gathers them back without any
-extra routing message. Without a capacity factor an eager step exchanges its row counts first (one
+is graph-capturable. Each rank sends a fixed ``capacity`` rows per chunk to every destination rank,
+and every row carries where it comes back, so the sender gathers the combine without any extra
+routing message. Without a capacity factor an eager step exchanges its row counts first (one
 small all-to-all and a host sync) and sends only its real rows, where the static path would send
 the worst case, ``tokens`` rows to every destination. Expert-parallel ranks must run the same
 number of tokens per step (the data-parallel coordinator pads them to the maximum).
@@ -34,6 +31,13 @@ from ubatch.context import in_static_collectives
 from ubatch.models import expert_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
+from ubatch.models.dispatch import (
+    balanced_chunk_rows,
+    block_starts,
+    counted_dispatch_plan,
+    dispatch_plan,
+    split_dispatch_rows,
+)
 from ubatch.models.fusion import fused
 from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
@@ -73,25 +77,38 @@ def _wait(handle: comm.CollectiveHandle | None) -> None:
 
 @dataclass
 class _Dispatched:
-    """One ubatch's rows in flight to the experts: receive and combine buffers, each expert
-    group's rows in them (``recv_groups``, ``back_groups``), the group's dispatch, and, where the
-    counts were exchanged, each group's (rows received per rank, rows sent per rank)."""
+    """One ubatch's rows in flight to the experts and back. Buffers are chunk-major (one chunk per
+    expert group), then one block per rank (``ubatch.models.dispatch``); slices are rows of them.
+
+    ``out`` holds each received row's weighted sum over its experts, in the received layout: with
+    one expert group it is the combine's input itself, with several a float32 sum each group adds
+    to, which ``comb_source`` (each combine row's received row, -1 none) gathers from once a row's
+    latest group ran. ``row_block`` ([received rows]: its (chunk, source rank) block) and
+    ``comb_starts`` (where each (chunk, source rank) block of the combine starts) place a received
+    row in the combine. ``splits`` / ``comb_splits``: per chunk, (rows received per rank, rows
+    sent per rank) where the counts were exchanged."""
 
     num_tokens: int
+    send: torch.Tensor
     recv: torch.Tensor
     back: torch.Tensor
-    recv_groups: list[slice]
-    back_groups: list[slice]
+    recv_chunks: list[slice]
+    comb_chunks: list[slice]
+    back_chunks: list[slice]
+    row_block: torch.Tensor
+    comb_starts: torch.Tensor
     dispatches: list[comm.CollectiveHandle | None]
+    # Per chunk, this rank's rows to its own experts in the send and the received buffer (the
+    # all-to-all hands them over unchanged).
+    own_sent: list[slice]
+    own_received: list[slice]
     splits: list[tuple[list[int], list[int]]] | None = None
-    # Per expert group, this rank's rows to its own experts: where they sit in the send buffer
-    # and within the group's received rows (the all-to-all hands them over unchanged).
-    own_sent: list[slice] = field(default_factory=list)
-    own_received: list[slice] = field(default_factory=list)
-    # The dispatch's send buffer and the combines' inputs, held until the layer's combines are
-    # waited: freed while a transfer still reads them, their blocks could go to new work on the
-    # stream that made them (another ubatch's shared experts, the next expert group).
-    send: torch.Tensor | None = None
+    comb_splits: list[tuple[list[int], list[int]]] | None = None
+    out: torch.Tensor | None = None
+    comb_source: torch.Tensor | None = None
+    # The combines' inputs, held with ``send`` until the layer's combines are waited: freed while
+    # a transfer still reads them, their blocks could go to new work on the stream that made them
+    # (another ubatch's shared experts, the next expert group).
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -188,16 +205,19 @@ class MoEFFN(nn.Module):
         self.local_first = False
         self.expert_capacity_factor: float | None = None
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
+        self._layouts: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def capacity(self, num_tokens: int) -> int:
-        """Rows each rank sends to each destination rank per expert group for ``num_tokens``
-        tokens: the worst case (every token, one row each), or ``capacity_factor`` times what a
-        uniform router sends there (``balanced_bucket_rows``), at most the worst case."""
+    def capacity(self, num_tokens: int) -> list[int]:
+        """Rows each rank sends each destination rank per dispatch chunk for ``num_tokens``
+        tokens (a chunk per expert group, by the earliest group of a token's experts there; the
+        combine's chunks, by the latest, take the same sizes in reverse order): the worst case,
+        every token, or ``capacity_factor`` times what a uniform router sends there
+        (``dispatch.balanced_chunk_rows``), at least 1 and at most the worst case."""
         if self.capacity_factor is None:
-            return num_tokens
+            return [num_tokens] * self.expert_chunks
         experts = self.num_local_experts * self.ep_world
-        balanced = balanced_bucket_rows(num_tokens, experts, self.top_k, self.ep_world, self.expert_chunks)
-        return max(1, min(num_tokens, math.ceil(self.capacity_factor * balanced)))
+        shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, self.expert_chunks)
+        return [max(1, min(num_tokens, math.ceil(self.capacity_factor * share))) for share in shares]
 
     @property
     def expert_chunks(self) -> int:
@@ -219,15 +239,16 @@ class MoEFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
-        per group of local experts, so group g's GEMMs run while group g+1's rows are in flight
-        and every expert's weights are still read once. The shared experts run under the
-        dispatch (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert
-        stage waits for every ubatch of the step and runs once over all their rows."""
+        per group of local experts, so group g's GEMMs run while the next chunk of rows is in
+        flight, every expert's weights are still read once, and a token still travels once to each
+        rank. The shared experts run under the dispatch (single-batch overlap): they need only
+        ``x``. With ``join_ubatches`` the expert stage waits for every ubatch of the step and runs
+        once over all their rows."""
         weights, ids = self.route(x)
         if self.capacity_factor is None and not _static_only():
-            slot, dispatched = self._dispatch_counted(x, ids, weights)
+            back_slot, dispatched = self._dispatch_counted(x, ids, weights)
         else:
-            slot, dispatched = self._dispatch_static(x, ids, weights)
+            back_slot, dispatched = self._dispatch_static(x, ids, weights)
 
         shared = self.shared(x) if self.shared is not None else None
 
@@ -243,117 +264,201 @@ class MoEFFN(nn.Module):
         for handle in combines:
             _wait(handle)
 
-        return combine_rows(dispatched.back, slot, shared)
+        return combine_rows(dispatched.back, back_slot, shared)
 
     def _dispatch_static(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, _Dispatched]:
-        """Each (group, destination) bucket sent at its full capacity (graph-capturable)."""
+        """Each (chunk, destination) block sent at its full capacity (graph-capturable)."""
         num_tokens, hidden = x.shape
-        k, world = self.expert_chunks, self.ep_world
-        cap = self.capacity(num_tokens)
-        group_rows = world * cap
-        slot, dropped, send = dispatch_plan(x, ids, weights, self.num_local_experts, k, world, cap)
-        if cap < num_tokens:
+        world = self.ep_world
+        caps = self.capacity(num_tokens)
+        sizes, back_sizes, row_block = self._static_layout(caps, x.device)
+        num_slots = world * sum(caps)
+        back_slot, dropped, send = dispatch_plan(
+            x, ids, weights, self.num_local_experts, self.expert_chunks, sizes, back_sizes, num_slots
+        )
+        if min(caps) < num_tokens:
             self.overflow_count += dropped
         recv = torch.empty_like(send)
-        groups = [slice(g * group_rows, (g + 1) * group_rows) for g in range(k)]
-        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in groups]
-        back = x.new_empty(k * group_rows, hidden)
-        own = [slice((g * world + self.ep_rank) * cap, (g * world + self.ep_rank + 1) * cap) for g in range(k)]
-        within = [slice(self.ep_rank * cap, (self.ep_rank + 1) * cap)] * k
-        return slot, _Dispatched(num_tokens, recv, back, groups, groups, dispatches, None, own, within, send)
+        recv_chunks = _consecutive([world * cap for cap in caps])
+        back_chunks = _consecutive([world * cap for cap in reversed(caps)])
+        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in recv_chunks]
+        own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
+        return back_slot, _Dispatched(
+            num_tokens,
+            send,
+            recv,
+            x.new_empty(back_chunks[-1].stop, hidden),
+            recv_chunks,
+            back_chunks,
+            back_chunks,
+            row_block,
+            block_starts(back_sizes),
+            dispatches,
+            own,
+            own,
+        )
+
+    def _static_layout(self, caps: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows per dispatch block, rows per combine block, each received row's block) for
+        dispatch chunks of ``caps`` rows per rank, on ``device``. Kept per layout when made outside
+        a graph capture (a capture records kernels without running them, so its tensors hold
+        nothing until a replay)."""
+        key = (tuple(caps), device)
+        if key in self._layouts:
+            return self._layouts[key]
+        world = self.ep_world
+        dispatch = [cap for cap in caps for _ in range(world)]
+        sizes = _device_ints(dispatch, device)
+        back_sizes = _device_ints([cap for cap in reversed(caps) for _ in range(world)], device)
+        row_block = torch.arange(len(dispatch), device=device).repeat_interleave(sizes, output_size=sum(dispatch))
+        layout = sizes, back_sizes, row_block
+        if not _capturing():
+            self._layouts[key] = layout
+        return layout
 
     def _dispatch_counted(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, _Dispatched]:
-        """Only the real rows: every rank's count per (group, destination) exchanged first (a
-        host sync), then each group's all-to-all with those splits. Nothing is dropped."""
+        """Only the real rows: every rank's rows per (chunk, destination) block, and the rows it
+        expects back per combine block, exchanged first (a host sync), then each chunk's all-to-all
+        with those splits. Nothing is dropped."""
         num_tokens, hidden = x.shape
         k, world = self.expert_chunks, self.ep_world
-        slot, counts, send = counted_dispatch_plan(x, ids, weights, self.num_local_experts, k, world)
-        sent = counts.view(k, world)
-        received = sent
+        back_slot, sizes, back_sizes, send = counted_dispatch_plan(x, ids, weights, self.num_local_experts, k, world)
+        # row d: the rows this rank sends rank d per chunk, then the rows it expects back from it
+        counts = torch.cat([sizes.view(k, world), back_sizes.view(k, world)]).t().contiguous()
+        received = counts
         if world > 1:
-            received = torch.empty_like(sent.t().contiguous())
-            comm.all_to_all_single(received, sent.t().contiguous(), group=self.ep_group)
-            received = received.t()
-        sent_rows, received_rows = sent.tolist(), received.tolist()  # the splits, on the host
+            received = torch.empty_like(counts)
+            comm.all_to_all_single(received, counts, group=self.ep_group)
+        host = torch.cat([counts, received]).tolist()  # the splits, on the host
+        sent_rows = [[host[d][c] for d in range(world)] for c in range(k)]
+        back_rows = [[host[d][k + c] for d in range(world)] for c in range(k)]
+        received_rows = [[host[world + s][c] for s in range(world)] for c in range(k)]
+        comb_rows = [[host[world + s][k + c] for s in range(world)] for c in range(k)]
+        send_chunks = _consecutive([sum(rows) for rows in sent_rows])
+        recv_chunks = _consecutive([sum(rows) for rows in received_rows])
+        recv = send.new_empty(recv_chunks[-1].stop, send.shape[1])
         splits = list(zip(received_rows, sent_rows))
-        send_at, recv_at = _offsets(sent_rows), _offsets(received_rows)
-        back_groups = [slice(send_at[g], send_at[g + 1]) for g in range(k)]
-        recv_groups = [slice(recv_at[g], recv_at[g + 1]) for g in range(k)]
-        recv = send.new_empty(recv_at[-1], send.shape[1])
         dispatches = [
             _start_all_to_all(recv[r], send[b], self.ep_group, split)
-            for r, b, split in zip(recv_groups, back_groups, splits)
+            for r, b, split in zip(recv_chunks, send_chunks, splits)
         ]
-        back = x.new_empty(send.shape[0], hidden)
-        r = self.ep_rank
-        own = [slice(send_at[g] + sum(sent_rows[g][:r]), send_at[g] + sum(sent_rows[g][: r + 1])) for g in range(k)]
-        within = [slice(sum(received_rows[g][:r]), sum(received_rows[g][: r + 1])) for g in range(k)]
-        return slot, _Dispatched(
-            num_tokens, recv, back, recv_groups, back_groups, dispatches, splits, own, within, send
+        blocks = received[:, :k].t().flatten()  # rows per received (chunk, source) block
+        row_block = torch.arange(k * world, device=x.device).repeat_interleave(blocks, output_size=recv_chunks[-1].stop)
+        back_chunks = _consecutive([sum(rows) for rows in back_rows])
+        return back_slot, _Dispatched(
+            num_tokens,
+            send,
+            recv,
+            x.new_empty(back_chunks[-1].stop, hidden),
+            recv_chunks,
+            _consecutive([sum(rows) for rows in comb_rows]),
+            back_chunks,
+            row_block,
+            block_starts(received[:, k:].t().flatten()),
+            dispatches,
+            _own_rows(send_chunks, sent_rows, self.ep_rank),
+            _own_rows(recv_chunks, received_rows, self.ep_rank),
+            splits,
+            list(zip(back_rows, comb_rows)),
         )
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
         the ubatches' expert stages are joined, so the weights are read once for all of them),
-        then that group's combine of every part; the combines' handles, per part. With
-        ``local_first`` the rows a rank routed to its own experts go first, from the send buffer,
-        while the group's dispatch is still in flight."""
+        then the combine of the rows whose latest group that was; the combines' handles, per part.
+        Group g reads every row of chunks 0..g where it landed (a row's chunk is its earliest
+        group). With ``local_first`` the rows a rank routed to its own experts go first, from the
+        send buffer, while the group's dispatch is still in flight."""
+        chunks = self.expert_chunks
+        hidden = self.w2.shape[1]
+        for part in parts:
+            if chunks == 1:
+                part.out = part.recv.new_empty(len(part.recv), hidden)
+            else:
+                part.out = torch.zeros(len(part.recv), hidden, dtype=torch.float32, device=part.recv.device)
+                part.comb_source = torch.full((part.comb_chunks[-1].stop + 1,), -1, device=part.recv.device)
         combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
         num_tokens = sum(part.num_tokens for part in parts)
-        for g in range(self.expert_chunks):
-            outputs = self._local_first_group(parts, g, num_tokens) if self.local_first else None
-            if outputs is None:
+        for g in range(chunks):
+            if self.local_first and self.ep_world > 1:
+                self._local_first_group(parts, g, num_tokens)
+            else:
                 for part in parts:
                     _wait(part.dispatches[g])
-                outputs = self._run_rows([part.recv[part.recv_groups[g]] for part in parts], g, num_tokens)
-            for part, out, handles in zip(parts, outputs, combines):
-                part.combine_inputs.append(out)
-                # the combine's splits are the dispatch's, reversed
-                splits = None if part.splits is None else part.splits[g][::-1]
-                handles.append(_start_all_to_all(part.back[part.back_groups[g]], out, self.ep_group, splits))
+                landed = [part.recv_chunks[g].stop for part in parts]
+                self._run_rows([(part.recv[:n], part.out[:n]) for part, n in zip(parts, landed)], g, num_tokens)
+            for part, handles in zip(parts, combines):
+                rows = part.out if chunks == 1 else self._combine_chunk(part, g)
+                part.combine_inputs.append(rows)
+                splits = None if part.comb_splits is None else part.comb_splits[g]
+                handles.append(_start_all_to_all(part.back[part.back_chunks[g]], rows, self.ep_group, splits))
         return combines
 
-    def _local_first_group(self, parts: list[_Dispatched], g: int, num_tokens: int) -> list[torch.Tensor] | None:
-        """Group ``g``'s expert outputs per part, in received order: the own rows' GEMMs before
-        the dispatch is waited, the other ranks' rows' after. None where one rank has no peers."""
-        if self.ep_world == 1:
-            return None
-        own = self._run_rows([part.send[part.own_sent[g]] for part in parts], g, num_tokens)
+    def _combine_chunk(self, part: _Dispatched, chunk: int) -> torch.Tensor:
+        """The rows of combine chunk ``chunk`` (those whose latest expert group it is), cast to the
+        rows' dtype, after placing the rows of dispatch chunk ``chunk``, which landed last: a row
+        goes to its (latest group, source rank) block at the return position it carries."""
+        rows = part.recv_chunks[chunk]
+        _, ids, _, position = split_dispatch_rows(part.recv[rows], self.w2.shape[1], self.top_k)
+        world = self.ep_world
+        last = torch.where(ids >= 0, ids // (self.num_local_experts // self.expert_chunks), -1).amax(dim=1)
+        block = (last * world + part.row_block[rows] % world).clamp(min=0)
+        trash = len(part.comb_source) - 1
+        target = torch.where(last >= 0, part.comb_starts[block] + position, trash)
+        part.comb_source.scatter_(0, target, torch.arange(rows.start, rows.stop, device=target.device))
+        source = part.comb_source[part.comb_chunks[chunk]]
+        return gather_sum(part.out, source[:, None], out=part.recv.new_empty(len(source), part.out.shape[1]))
+
+    def _local_first_group(self, parts: list[_Dispatched], g: int, num_tokens: int) -> None:
+        """Group ``g`` with the own rows of chunk ``g`` (from the send buffer) and the rows of the
+        chunks before it before the chunk's dispatch is waited, the other ranks' rows of chunk ``g``
+        after."""
+        first = []
+        for part in parts:
+            landed, own = part.recv_chunks[g].start, part.own_received[g]
+            first += [(part.recv[:landed], part.out[:landed]), (part.send[part.own_sent[g]], part.out[own])]
+        self._run_rows(first, g, num_tokens)
+        peers = []
         for part in parts:
             _wait(part.dispatches[g])
-        received = [part.recv[part.recv_groups[g]] for part in parts]
-        peers = [
-            torch.cat([rows[: part.own_received[g].start], rows[part.own_received[g].stop :]])
-            for part, rows in zip(parts, received)
-        ]
-        others = self._run_rows(peers, g, num_tokens)
-        outputs = []
-        for part, mine, theirs in zip(parts, own, others):
-            cut = part.own_received[g].start
-            outputs.append(torch.cat([theirs[:cut], mine, theirs[cut:]]))
-        return outputs
+            rows, own = part.recv_chunks[g], part.own_received[g]
+            for piece in (slice(rows.start, own.start), slice(own.stop, rows.stop)):
+                peers.append((part.recv[piece], part.out[piece]))
+        self._run_rows(peers, g, num_tokens)
 
-    def _run_rows(self, rows: list[torch.Tensor], g: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """Expert group ``g`` over every part's dispatch rows in one call: each row through each
-        of its experts, weighted and summed into one output row; the outputs split back per part."""
-        joined = rows[0] if len(rows) == 1 else torch.cat(rows)
-        x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
-        return self._experts(x, ids, weights, g, num_tokens).split([len(r) for r in rows])
+    def _run_rows(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], g: int, num_tokens: int) -> None:
+        """Expert group ``g`` over the dispatch rows of every (rows, out) piece in one call: each
+        row through each of its experts of the group, weighted and summed into its row of ``out``
+        (added to what earlier groups left there where the experts run in groups)."""
+        pieces = [(rows, out) for rows, out in pieces if len(rows)]
+        if not pieces:
+            return
+        joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _ in pieces])
+        x, ids, weights, _ = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
+        src, index, weights = self._experts(x, ids, weights, g, num_tokens)
+        accumulate = self.expert_chunks > 1
+        start = 0
+        for rows, out in pieces:
+            stop = start + len(rows)
+            weight = None if weights is None else weights[start:stop]
+            gather_sum(src, index[start:stop], weight, add=out if accumulate else None, out=out)
+            start = stop
 
     def _experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: int, num_tokens: int
-    ) -> torch.Tensor:
-        """Each row's weighted sum over its local experts (SwiGLU) of group ``group``, for rows
-        routed from ``num_tokens`` tokens per rank; ``ids`` [rows, top_k] holds each row's
-        expert ids, negative where the row has no expert in that column (padding rows have none,
-        and their outputs are never read)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What each row's weighted sum over its local experts (SwiGLU) of group ``group`` gathers,
+        for rows routed from ``num_tokens`` tokens per rank: (outputs, each row's rows among them
+        [rows, top_k] (-1: none), their weights or None). ``ids`` [rows, top_k] holds each row's
+        local expert ids, negative where none (padding rows have none); those of other groups are
+        skipped."""
         size = self.num_local_experts // self.expert_chunks
+        ids = torch.where((ids >= 0) & (ids // size == group), ids - group * size, -1)
         experts = slice(group * size, (group + 1) * size)
-        ids = ids - group * size
         w13, w2 = self.w13[experts], self.w2[experts]
         capacity = self.expert_capacity(num_tokens, ids.numel())
         if capacity is not None:
@@ -361,8 +466,9 @@ class MoEFFN(nn.Module):
         elif self.use_grouped_mm:
             out, position = self._experts_grouped(x, ids, w13, w2)
         else:
-            return self._experts_masked(x, ids, weights, w13, w2)
-        return gather_sum(out, torch.where(ids >= 0, position.view_as(ids), -1), weights)
+            summed = self._experts_masked(x, ids, weights, w13, w2)
+            return summed, torch.arange(len(x), device=x.device)[:, None], None
+        return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
@@ -424,7 +530,7 @@ class MoEFFN(nn.Module):
             gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
             weight = torch.where(ids == e, weights, 0).sum(dim=1, keepdim=True)
             out += torch.where(weight != 0, F.linear(F.silu(gate) * up, w2[e]).float() * weight, 0)
-        return out.to(x.dtype)
+        return out
 
 
 def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,115 +540,6 @@ def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torc
     probs = F.linear(x.float(), router).softmax(dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), ids
-
-
-def balanced_bucket_rows(num_tokens: int, num_experts: int, top_k: int, world: int, chunks: int) -> float:
-    """Rows one (expert group, destination) bucket gets from ``num_tokens`` tokens routed
-    uniformly: a token sends one if any of its ``top_k`` distinct experts is among the bucket's
-    ``num_experts / (world * chunks)``. With fine-grained experts nearly every token does, and
-    more expert groups (fewer experts a bucket) take more rows in all."""
-    in_bucket = num_experts // (world * chunks)
-    missed = math.comb(num_experts - in_bucket, top_k) / math.comb(num_experts, top_k)
-    return num_tokens * (1 - missed)
-
-
-def expert_buckets(ids: torch.Tensor, n_local: int, chunks: int, world: int) -> torch.Tensor:
-    """The (expert group, destination rank) bucket of each assignment, group-major."""
-    local = ids % n_local
-    return local // (n_local // chunks) * world + ids // n_local
-
-
-def _row_columns(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, bucket: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether each assignment is the first of its token's to its bucket, the extra columns of
-    each assignment's dispatch row [tokens * top_k + 1, extra]): the router weights of the
-    token's experts in that bucket (float32 bits) and their local ids (-1 for the others). Only a
-    first assignment's row travels; the others ride in it. The last row is a padding row's
-    columns: ids -1."""
-    num_tokens, top_k = ids.shape
-    same = bucket[:, :, None] == bucket[:, None, :]  # [token, assignment, other assignment]
-    first = ~same.tril(-1).any(dim=2)
-    weight_cols = torch.where(same, weights[:, None, :], 0.0).reshape(num_tokens * top_k, top_k)
-    id_cols = torch.where(same, (ids % n_local)[:, None, :], -1).reshape(num_tokens * top_k, top_k)
-    hidden, weight_end = x.shape[1], _weight_columns(top_k, x.dtype)
-    columns = x.new_zeros(num_tokens * top_k + 1, dispatch_row_width(hidden, top_k, x.dtype) - hidden)
-    columns[:-1, :weight_end] = weight_cols.contiguous().view(x.dtype)
-    columns[:-1, weight_end : weight_end + top_k] = id_cols.to(x.dtype)
-    columns[-1, weight_end : weight_end + top_k] = -1
-    return first, columns
-
-
-def _bucket_rows(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What both dispatch plans start from, per assignment [tokens, top_k]: its bucket, whether it
-    is its token's first to that bucket, its row's extra columns (``_row_columns``); the rows per
-    bucket; and its row's position in its bucket. The count runs along one contiguous row per
-    bucket, a fast inner-dimension scan (an outer-dimension one is ~19x slower on an H200:
-    benchmarks/h200x2/explore/moe_dispatch_scan.log)."""
-    bucket = expert_buckets(ids, n_local, chunks, world)
-    first, columns = _row_columns(x, ids, weights, n_local, bucket)
-    in_bucket = (bucket[None] == torch.arange(chunks * world, device=x.device)[:, None, None]).any(dim=2)
-    pos = (in_bucket.cumsum(1) - 1).t().gather(1, bucket)
-    return bucket, first, columns, in_bucket.sum(1), pos
-
-
-def _gather_send(x: torch.Tensor, columns: torch.Tensor, slot: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The send buffer [num_rows, row width]: each slot's row gathered from the assignment whose
-    ``slot`` it is (tokens' hidden states and the assignments' columns), padding rows where no
-    assignment has it (their ids -1, their hidden state any token's). Built by gathering into the
-    send buffer's rows, so a token's further assignments to a bucket cost nothing."""
-    num_tokens, top_k = slot.shape
-    padding = num_tokens * top_k  # the padding row of ``columns``
-    targets = torch.where(slot >= 0, slot, num_rows).flatten()
-    assignment = torch.full((num_rows + 1,), padding, dtype=torch.int64, device=x.device)
-    assignment = assignment.scatter_(0, targets, torch.arange(padding, device=x.device))[:num_rows]
-    if num_tokens == 0:
-        return torch.cat([x.new_zeros(num_rows, x.shape[1]), columns[assignment]], dim=1)
-    token = (assignment // top_k).clamp(max=num_tokens - 1)
-    return torch.cat([x[token], columns[assignment]], dim=1)
-
-
-def _weight_columns(top_k: int, dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that hold ``top_k`` float32 router weights, bit for bit."""
-    return top_k * 32 // torch.finfo(dtype).bits
-
-
-def dispatch_row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
-    """Columns of a dispatch row: the hidden state, the weights, the ids, rounded up so that a row
-    is a multiple of 16 bytes (NCCL is far slower on misaligned per-peer chunks)."""
-    per_16_bytes = 128 // torch.finfo(dtype).bits
-    width = hidden + _weight_columns(top_k, dtype) + top_k
-    return -(-width // per_16_bytes) * per_16_bytes
-
-
-def split_dispatch_rows(rows: torch.Tensor, hidden: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states, expert ids [rows, top_k] (int64, -1 where none), float32 weights) of
-    dispatch rows."""
-    columns = _weight_columns(top_k, rows.dtype)
-    weights = rows[:, hidden : hidden + columns].contiguous().view(torch.float32)
-    ids = rows[:, hidden + columns : hidden + columns + top_k].long()
-    return rows[:, :hidden], ids, weights
-
-
-@fused
-def dispatch_plan(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int, cap: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(each (token, expert) assignment's slot in the send buffer [tokens, top_k], -1 for all but
-    a token's first assignment to a bucket and for rows past capacity; assignments dropped; the
-    send buffer [chunks * world * cap, row width] with every kept row in its slot).
-
-    A token sends one row per bucket its experts fall in (``_row_columns``), and its output comes
-    back in that row, summed over those experts. Slots are group-major, then destination, in
-    token order within a (group, destination) bucket. The bucket ids are made per call, not kept:
-    a captured graph keeps its own, whatever expert_chunks is set to later.
-    """
-    bucket, first, columns, _, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
-    kept = pos < cap
-    slot = torch.where(kept & first, bucket * cap + pos, -1)
-    return slot, (~kept).sum(), _gather_send(x, columns, slot, chunks * world * cap)
 
 
 @fused
@@ -558,42 +555,45 @@ def sort_by_expert(
     return x[order // ids.shape[1]], order, counts[:num_experts].cumsum(0).to(torch.int32)
 
 
-def counted_dispatch_plan(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_local: int, chunks: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(each assignment's slot, -1 for all but a token's first to a bucket; rows per (group,
-    destination) bucket [chunks * world]; the send buffer [tokens * min(top_k, buckets), row
-    width]) with the buckets packed one after another in group-major, destination order from the
-    first row: ``dispatch_plan``'s layout without capacity."""
-    num_tokens, top_k = ids.shape
-    bucket, first, columns, counts, pos = _bucket_rows(x, ids, weights, n_local, chunks, world)
-    slot = torch.where(first, (counts.cumsum(0) - counts)[bucket] + pos, -1)
-    return slot, counts, _gather_send(x, columns, slot, num_tokens * min(top_k, chunks * world))
-
-
-def _offsets(rows: list[list[int]]) -> list[int]:
-    """Where each group's rows start (and, last, where they end) in a packed buffer, from the
-    rows per (group, rank)."""
+def _consecutive(rows: list[int]) -> list[slice]:
+    """Slices of consecutive runs of ``rows`` rows each, from row 0."""
     starts = [0]
-    for group in rows:
-        starts.append(starts[-1] + sum(group))
-    return starts
+    for n in rows:
+        starts.append(starts[-1] + n)
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _own_rows(chunks: list[slice], rows_per_rank: list[list[int]], rank: int) -> list[slice]:
+    """Per chunk, the rows of ``rank``'s block, for blocks of ``rows_per_rank[chunk][rank]`` rows."""
+    return [
+        slice(chunk.start + sum(rows[:rank]), chunk.start + sum(rows[: rank + 1]))
+        for chunk, rows in zip(chunks, rows_per_rank)
+    ]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``: filled in place inside a graph capture, which
+    cannot record a copy from pageable host memory."""
+    if device.type == "cuda" and _capturing():
+        return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _static_only() -> bool:
     """Whether the dispatch must be shape-static: a CUDA graph (FULL or PIECEWISE) is being
     recorded or warmed up for (no host sync, fixed shapes), or the step must issue the collectives
     a replay would (``static_collectives``: peers may be replaying it)."""
-    return (
-        in_static_collectives()
-        or islands.recording_active()
-        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    )
+    return in_static_collectives() or islands.recording_active() or _capturing()
 
 
 def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's rows gathered back from their slots (each already its experts' weighted sum
-    at one destination; -1: none) and summed in float32, with the shared experts' output."""
+    """Each token's rows gathered back from their slots [tokens, world] (each already its
+    experts' weighted sum at one destination; -1: none) and summed in float32, with the shared
+    experts' output."""
     return gather_sum(back, slot, add=shared)
 
 
