@@ -361,17 +361,20 @@ def test_expert_rows_kernel_interpreted():
 import torch
 from ubatch.models import expert_rows, moe
 g = torch.Generator().manual_seed(0)
+drops = 0
 for dtype in (torch.float32, torch.bfloat16):
     cases = ((1, 8, 2, 4, 1), (37, 24, 4, 8, 1), (1100, 1030, 3, 200, 1), (40, 24, 4, 16, 3))
     for num_rows, hidden, n, cap, per_row in cases:
         x = torch.randn(num_rows, hidden + 3, generator=g).to(dtype)[:, :hidden]
-        expert = torch.randint(-1, n, (num_rows * per_row,), generator=g)
-        padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap)
-        ref_padded, ref_slot, ref_dropped = moe.pad_expert_rows(x, expert, n, cap)
-        assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
-        kept = slot < n * cap
-        assert torch.equal(padded.flatten(0, 1)[slot[kept]], x.repeat_interleave(per_row, 0)[kept])
-assert int(dropped) > 0
+        for first in (0, 2):  # the experts of a group from ``first`` on; the others' ids are padding
+            expert = torch.randint(-1, n + 2 * first, (num_rows * per_row,), generator=g)
+            padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap, first)
+            ref_padded, ref_slot, ref_dropped = moe.pad_expert_rows(x, expert, n, cap, first)
+            assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
+            kept = slot < n * cap
+            assert torch.equal(padded.flatten(0, 1)[slot[kept]], x.repeat_interleave(per_row, 0)[kept])
+            drops += int(dropped)
+assert drops > 0
 print("interpreted kernel ok")
 """,
         timeout=600,
@@ -413,6 +416,9 @@ def test_expert_rows_kernel_places_rows_as_the_torch_path(dtype, expert_dtype, s
         got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts, capacity)
         _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts, capacity), x)
         assert (int(got[2]) > 0) == (seed in (1, 2, 4))  # the 37-, 1500- and 2400-pair cases overflow
+        # an expert group from 1 on: expert 0's pairs are padding like the -1s
+        got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts - 1, capacity, 1)
+        _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts - 1, capacity, 1), x)
 
 
 @pytest.mark.cuda

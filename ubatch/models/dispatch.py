@@ -82,24 +82,26 @@ def _weight_columns(top_k: int, dtype: torch.dtype) -> int:
 
 
 def dispatch_row_width(hidden: int, top_k: int, dtype: torch.dtype) -> int:
-    """Columns of a dispatch row: the hidden state, the weights, the ids, the return position,
+    """Columns of a dispatch row: the hidden state, the weights, the return position, the ids,
     rounded up so that a row is a multiple of 16 bytes (NCCL is far slower on misaligned per-peer
-    chunks)."""
+    chunks). The weights and the position stay 4-byte aligned for an even ``hidden``."""
     per_16_bytes = 128 // torch.finfo(dtype).bits
     width = hidden + _weight_columns(top_k, dtype) + top_k + _int32_columns(dtype)
     return -(-width // per_16_bytes) * per_16_bytes
 
 
-def split_dispatch_rows(
-    rows: torch.Tensor, hidden: int, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states, expert ids [rows, top_k] (int64, -1 where none), float32 weights, return
-    positions (int64)) of dispatch rows."""
-    weight_end = hidden + _weight_columns(top_k, rows.dtype)
-    ids_end = weight_end + top_k
-    weights = rows[:, hidden:weight_end].contiguous().view(torch.float32)
-    position = rows[:, ids_end : ids_end + _int32_columns(rows.dtype)].contiguous().view(torch.int32)
-    return rows[:, :hidden], rows[:, weight_end:ids_end].long(), weights, position[:, 0].long()
+def row_column_offsets(hidden: int, top_k: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(first column of the return position, first column of the ids) in a dispatch row."""
+    position = hidden + _weight_columns(top_k, dtype)
+    return position, position + _int32_columns(dtype)
+
+
+def split_dispatch_rows(rows: torch.Tensor, hidden: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, expert ids [rows, top_k] (int64, -1 where none), float32 weights) of
+    dispatch rows."""
+    position, ids = row_column_offsets(hidden, top_k, rows.dtype)
+    weights = rows[:, hidden:position].contiguous().view(torch.float32)
+    return rows[:, :hidden], rows[:, ids : ids + top_k].long(), weights
 
 
 def _row_columns(
@@ -112,14 +114,15 @@ def _row_columns(
     on = (ids // n_local)[:, None, :] == torch.arange(world, device=ids.device)[None, :, None]  # [token, rank, expert]
     weight_cols = torch.where(on, weights[:, None, :], 0.0).reshape(num_tokens * world, top_k)
     id_cols = torch.where(on, (ids % n_local)[:, None, :], -1).reshape(num_tokens * world, top_k)
-    hidden, weight_end = x.shape[1], _weight_columns(top_k, x.dtype)
-    ids_end = weight_end + top_k
+    hidden = x.shape[1]
+    position_at, ids_at = (at - hidden for at in row_column_offsets(hidden, top_k, x.dtype))
     columns = x.new_zeros(num_tokens * world + 1, dispatch_row_width(hidden, top_k, x.dtype) - hidden)
-    columns[:-1, :weight_end] = weight_cols.contiguous().view(x.dtype)
-    columns[:-1, weight_end:ids_end] = id_cols.to(x.dtype)
-    position_cols = position.to(torch.int32).reshape(-1, 1).view(x.dtype)
-    columns[:-1, ids_end : ids_end + position_cols.shape[1]] = position_cols
-    columns[-1, weight_end:ids_end] = -1
+    columns[:-1, :position_at] = weight_cols.contiguous().view(x.dtype)
+    # one int32 a row: viewed flat (a [n, 1] view of another element size has no unit stride to
+    # compile against)
+    columns[:-1, position_at:ids_at] = position.to(torch.int32).flatten().view(x.dtype).view(-1, ids_at - position_at)
+    columns[:-1, ids_at : ids_at + top_k] = id_cols.to(x.dtype)
+    columns[-1, ids_at : ids_at + top_k] = -1
     return columns
 
 

@@ -38,12 +38,12 @@ def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
 
 
 def pad_expert_rows_kernel(
-    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int
+    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
-    (row, expert) pair's slot there or ``num_experts * capacity`` for padding (expert < 0) and
-    past its expert's capacity, how many real pairs were dropped). Slots no pair takes are left
-    unwritten, as in the torch path."""
+    (row, expert) pair's slot there or ``num_experts * capacity`` for padding (an expert outside
+    ``first`` .. ``first + num_experts - 1``) and past its expert's capacity, how many real pairs
+    were dropped). Slots no pair takes are left unwritten, as in the torch path."""
     hidden = x.shape[1]
     num_rows = len(expert)
     per_row = num_rows // len(x) if len(x) else 1
@@ -64,6 +64,8 @@ def pad_expert_rows_kernel(
             x.stride(0),
             capacity,
             trash,
+            first,
+            first + num_experts,
             BLOCK_RANK=_BLOCK_RANK,
             BLOCK_HIDDEN=min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(hidden)),
             num_warps=4,
@@ -86,19 +88,23 @@ if triton is not None:
         stride_x,
         capacity,
         trash,
+        first,
+        end,
         BLOCK_RANK: tl.constexpr,
         BLOCK_HIDDEN: tl.constexpr,
     ):
         """Pair ``program_id(0)``: its rank is the number of earlier pairs with the same expert (the
         torch path's scan, so the same slots), then its row of ``x`` (every ``per_row`` pairs
-        share one) goes to its slot if it is kept."""
+        share one) goes to its slot if it is kept. Experts outside [first, end) are padding; the
+        scan compares the ids as given, which equal where the shifted ones do."""
         row = tl.program_id(0)
-        expert = tl.load(expert_ptr + row).to(tl.int64)
+        given = tl.load(expert_ptr + row).to(tl.int64)
+        expert = tl.where((given >= first) & (given < end), given - first, -1)
         rank = row * 0  # an int32 scalar the loop may carry
         for start in tl.range(0, num_rows, BLOCK_RANK):
             earlier = start + tl.arange(0, BLOCK_RANK)
             others = tl.load(expert_ptr + earlier, mask=earlier < row, other=-1).to(tl.int64)
-            rank += tl.sum((others == expert).to(tl.int32), axis=0)
+            rank += tl.sum((others == given).to(tl.int32), axis=0)
         real = expert >= 0
         kept = real & (rank < capacity)
         slot = tl.where(kept, expert * capacity + rank, trash)

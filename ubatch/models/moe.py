@@ -41,6 +41,7 @@ from ubatch.models.dispatch import (
 from ubatch.models.fusion import fused
 from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
+from ubatch.models.return_places import place_returns
 from ubatch.models.swiglu import swiglu
 
 PADDED_ROWS_STEP = 64
@@ -399,17 +400,21 @@ class MoEFFN(nn.Module):
         return combines
 
     def _combine_chunk(self, part: _Dispatched, chunk: int) -> torch.Tensor:
-        """The rows of combine chunk ``chunk`` (those whose latest expert group it is), cast to the
-        rows' dtype, after placing the rows of dispatch chunk ``chunk``, which landed last: a row
-        goes to its (latest group, source rank) block at the return position it carries."""
+        """The rows of combine chunk ``chunk`` (those whose latest expert group it is), in the
+        rows' dtype, once the rows of dispatch chunk ``chunk``, the last to land, have their place
+        in the combine (``return_places``)."""
         rows = part.recv_chunks[chunk]
-        _, ids, _, position = split_dispatch_rows(part.recv[rows], self.w2.shape[1], self.top_k)
-        world = self.ep_world
-        last = torch.where(ids >= 0, ids // (self.num_local_experts // self.expert_chunks), -1).amax(dim=1)
-        block = (last * world + part.row_block[rows] % world).clamp(min=0)
-        trash = len(part.comb_source) - 1
-        target = torch.where(last >= 0, part.comb_starts[block] + position, trash)
-        part.comb_source.scatter_(0, target, torch.arange(rows.start, rows.stop, device=target.device))
+        place_returns(
+            part.recv[rows],
+            rows.start,
+            self.w2.shape[1],
+            self.top_k,
+            self.num_local_experts // self.expert_chunks,
+            self.ep_world,
+            part.row_block,
+            part.comb_starts,
+            part.comb_source,
+        )
         source = part.comb_source[part.comb_chunks[chunk]]
         return gather_sum(part.out, source[:, None], out=part.recv.new_empty(len(source), part.out.shape[1]))
 
@@ -438,7 +443,7 @@ class MoEFFN(nn.Module):
         if not pieces:
             return
         joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _ in pieces])
-        x, ids, weights, _ = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
+        x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
         src, index, weights = self._experts(x, ids, weights, g, num_tokens)
         accumulate = self.expert_chunks > 1
         start = 0
@@ -457,18 +462,18 @@ class MoEFFN(nn.Module):
         local expert ids, negative where none (padding rows have none); those of other groups are
         skipped."""
         size = self.num_local_experts // self.expert_chunks
-        ids = torch.where((ids >= 0) & (ids // size == group), ids - group * size, -1)
         experts = slice(group * size, (group + 1) * size)
         w13, w2 = self.w13[experts], self.w2[experts]
         capacity = self.expert_capacity(num_tokens, ids.numel())
         if capacity is not None:
-            out, position = self._experts_padded(x, ids.flatten(), w13, w2, capacity)
-        elif self.use_grouped_mm:
+            out, position = self._experts_padded(x, ids.flatten(), w13, w2, capacity, group * size)
+            return out, position.view_as(ids), weights
+        ids = torch.where(ids // size == group, ids - group * size, -1)  # -1 // size is -1
+        if self.use_grouped_mm:
             out, position = self._experts_grouped(x, ids, w13, w2)
-        else:
-            summed = self._experts_masked(x, ids, weights, w13, w2)
-            return summed, torch.arange(len(x), device=x.device)[:, None], None
-        return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
+            return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
+        summed = self._experts_masked(x, ids, weights, w13, w2)
+        return summed, torch.arange(len(x), device=x.device)[:, None], None
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
@@ -489,17 +494,18 @@ class MoEFFN(nn.Module):
         return capacity if capacity <= limit else None
 
     def _experts_padded(
-        self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int
+        self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int, first: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One batched GEMM per projection over [experts, capacity] padded rows, for ``expert``
-        [rows * top_k], each row's experts in turn: each (row, expert) pair's slot is its expert's
+        [rows * top_k], each row's local experts in turn, of which those from ``first`` on (as many
+        as ``w13`` holds) run here and the others count as padding: each (row, expert) pair's slot is its expert's
         block plus its rank among that expert's pairs (one Triton kernel on CUDA, ``expert_rows``,
         which reads each row where it lies; elsewhere a fast inner-dimension scan, as in the
         dispatch). Returns the [experts * capacity, hidden] outputs and each pair's slot among
         them (-1: dropped or padding)."""
         n = w13.shape[0]
         place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
-        padded, slot, dropped = place(x, expert, n, capacity)
+        padded, slot, dropped = place(x, expert, n, capacity, first)
         self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
         act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
@@ -576,11 +582,9 @@ def _capturing() -> bool:
 
 
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``: filled in place inside a graph capture, which
-    cannot record a copy from pageable host memory."""
-    if device.type == "cuda" and _capturing():
-        return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    """``values`` as an int64 tensor on ``device``, filled there: a copy from host memory would
+    synchronize, and a graph capture cannot record one from pageable memory."""
+    return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
 
 
 def _static_only() -> bool:
@@ -599,12 +603,14 @@ def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | 
 
 @fused
 def pad_expert_rows(
-    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int
+    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows in [experts, capacity, hidden] blocks, each (row, expert) pair's slot there or the
     trash slot past them, pairs dropped) for ``expert`` [rows * k], the experts of each row of
-    ``x`` in turn: a pair's slot is its expert's block plus its rank among that expert's pairs
-    (the dispatch's inner-dimension scan). Padding (expert < 0) goes to the trash slot."""
+    ``x`` in turn, of which ``first`` .. ``first + num_experts - 1`` are placed: a pair's slot is
+    its expert's block plus its rank among that expert's pairs (the dispatch's inner-dimension
+    scan). Padding (expert < 0) and other experts go to the trash slot."""
+    expert = torch.where((expert >= first) & (expert < first + num_experts), expert - first, -1)
     if len(x) and len(expert) != len(x):
         x = x.repeat_interleave(len(expert) // len(x), dim=0)
     trash = num_experts * capacity
