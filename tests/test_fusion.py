@@ -16,7 +16,7 @@ from tests.test_ubatch_models import _forward
 from ubatch.bench.workload import make_step
 from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
-from ubatch.models.dispatch import dispatch_plan
+from ubatch.models.dispatch import dispatch_plan, static_tables
 from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
 from ubatch.models.moe import pad_expert_rows, route_top_k, sort_by_expert
 
@@ -27,13 +27,12 @@ def _inputs(tokens: int, seed: int):
     router = torch.randn(8, 32, generator=g)
     weights, ids = route_top_k(x, router, 2)
     expert = torch.randint(-1, 4, (3 * tokens,), generator=g)
-    caps = [max(1, tokens // 2), max(1, tokens // 4)]  # two ranks, two chunks of different capacities
-    sizes, back_sizes = torch.tensor([caps[0]] * 2 + [caps[1]] * 2), torch.tensor([caps[1]] * 2 + [caps[0]] * 2)
+    caps = (max(1, tokens // 2), max(1, tokens // 4))  # two ranks, two chunks of different capacities
     return {
         rms_norm: (x, torch.rand(32, generator=g), 1e-6),
         add_rms_norm: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
         rotate_neox: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
-        dispatch_plan: (x, ids, weights, 4, 2, sizes, back_sizes, 2 * sum(caps)),
+        dispatch_plan: (x, ids, weights, 4, 2, 2, caps, static_tables(list(caps), 2, torch.device("cpu"))),
         pad_expert_rows: (torch.randn(tokens, 32, generator=g), expert, 4, tokens),  # three experts per row
         sort_by_expert: (torch.randn(tokens, 32, generator=g), expert.view(tokens, 3), 4),
     }

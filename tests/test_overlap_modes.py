@@ -247,9 +247,9 @@ def test_every_kept_row_comes_back_where_its_sender_looks_for_it(chunks, capacit
     x = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(chunks))
     weights, ids = layer.route(x)
     caps = layer.capacity(len(x))
-    sizes, back_sizes, _ = layer._static_layout(caps, x.device)
+    tables, _ = layer._static_layout(caps, x.device)
     n_local = layer.num_local_experts
-    back_slot, dropped, _ = dispatch_plan(x, ids, weights, n_local, chunks, sizes, back_sizes, 2 * sum(caps))
+    back_slot, dropped, _ = dispatch_plan(x, ids, weights, n_local, chunks, 2, tuple(caps), tables)
     with torch.no_grad(), static_collectives():
         out = layer(x)
         expected = layer.shared(x)

@@ -11,8 +11,8 @@ start once chunks 0..g have landed, and it comes back in the combine chunk of it
 once its weighted sum is complete. (Sending a row to every group that needs it would move up to
 ``chunks`` times the rows: with top-2 of 8 experts over two ranks, two groups sent 1.18x the rows
 of one, four 1.27x; with top-8 of 64 nearly ``chunks`` times.) Each row carries its return
-position, its rank among its sender's rows to that destination with the same latest group, so the
-destination places it in the combine without a scan of its own.
+position, its rank in token order among its sender's rows to that destination with the same
+latest group, so the destination places it in the combine without a scan of its own.
 
 Buffers are chunk-major, then one block per rank. Static plans (CUDA graphs, capacity factors)
 give every (chunk, rank) block a fixed size; counted plans pack the real rows and exchange counts.
@@ -33,12 +33,52 @@ def row_groups(
     """(first, last, count), each [tokens, world]: the earliest and latest expert group among a
     token's experts on each rank (``chunks`` and -1 where it has none there) and how many of its
     experts that rank holds (0: no row goes there)."""
-    dest = ids // n_local
+    on = (ids // n_local)[:, :, None] == torch.arange(world, device=ids.device)  # [token, expert, rank]
     group = ids % n_local // (n_local // chunks)
-    on = dest[:, :, None] == torch.arange(world, device=ids.device)  # [token, expert, rank]
     first = torch.where(on, group[:, :, None], chunks).amin(dim=1)
     last = torch.where(on, group[:, :, None], -1).amax(dim=1)
     return first, last, on.sum(dim=1)
+
+
+def _blocks(
+    ids: torch.Tensor, n_local: int, chunks: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(experts per (token, rank) [tokens, world], each (token, rank) row's dispatch block (its
+    earliest group's chunk, then the rank) and combine block (its latest group's), ``_none``
+    where no row goes): with one chunk both blocks are the rank."""
+    on = (ids // n_local)[:, :, None] == torch.arange(world, device=ids.device)
+    count = on.sum(dim=1)
+    rank = torch.arange(world, device=ids.device)
+    none = _none(chunks, world)
+    if chunks == 1:
+        block = torch.where(count > 0, rank, none)
+        return count, block, block
+    group = (ids % n_local // (n_local // chunks))[:, :, None]
+    first = torch.where(on, group, chunks).amin(dim=1)
+    last = torch.where(on, group, -1).amax(dim=1)
+    present = count > 0
+    return count, torch.where(present, first * world + rank, none), torch.where(present, last * world + rank, none)
+
+
+def _none(chunks: int, world: int) -> int:
+    """The block of a (token, rank) pair with no row: past every block, also once a second set of
+    ``chunks * world`` keys is laid after the first (``_positions``)."""
+    return 2 * chunks * world
+
+
+def _positions(
+    block: torch.Tensor, back_block: torch.Tensor, chunks: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each row's position in its dispatch block, in its combine block (both in token order),
+    rows per dispatch block, rows per combine block): with expert groups both from one scan over
+    the two keys laid end to end."""
+    blocks = chunks * world
+    if chunks == 1:
+        pos, sizes = rank_within_key(block.flatten(), blocks)
+        return pos.view_as(block), pos.view_as(block), sizes, sizes
+    rank, sizes = rank_within_key(torch.cat([block.flatten(), back_block.flatten() + blocks]), 2 * blocks)
+    pos, back_pos = rank.view(2, *block.shape)
+    return pos, back_pos, sizes[:blocks], sizes[blocks:]
 
 
 def balanced_chunk_rows(num_tokens: int, num_experts: int, top_k: int, world: int, chunks: int) -> list[float]:
@@ -140,21 +180,6 @@ def _gather_send(x: torch.Tensor, columns: torch.Tensor, slot: torch.Tensor, num
     return torch.cat([x[token], columns[source]], dim=1)
 
 
-def _return_positions(
-    slot: torch.Tensor, sent: torch.Tensor, last: torch.Tensor, chunks: int, num_slots: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(each sent row's position in its combine block, that block [tokens, world], rows per
-    combine block): a row comes back in the block of (its latest group, its destination), in the
-    order it was sent (slot order), which is the order its destination received it in."""
-    world = slot.shape[1]
-    blocks = chunks * world
-    block = torch.where(sent, last * world + torch.arange(world, device=slot.device), blocks)
-    at_slot = torch.full((num_slots + 1,), blocks, dtype=torch.int64, device=slot.device)
-    at_slot = at_slot.scatter_(0, torch.where(sent, slot, num_slots).flatten(), block.flatten())[:num_slots]
-    rank, counts = rank_within_key(at_slot, blocks)
-    return rank[slot.clamp(min=0)], block, counts
-
-
 @fused
 def dispatch_plan(
     x: torch.Tensor,
@@ -162,37 +187,48 @@ def dispatch_plan(
     weights: torch.Tensor,
     n_local: int,
     chunks: int,
-    sizes: torch.Tensor,
-    back_sizes: torch.Tensor,
-    num_slots: int,
+    world: int,
+    caps: tuple[int, ...],
+    tables: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The static plan, for dispatch blocks of ``sizes`` rows and combine blocks of ``back_sizes``
-    (each [chunks * world], chunk-major; ``num_slots`` rows in all): (each (token, rank) row's slot
-    in the combine buffer [tokens, world], -1 where none comes back; (token, expert) assignments
-    dropped for lack of room; the send buffer [num_slots, row width]).
+    """The static plan for dispatch chunks of ``caps`` rows per rank (the combine's chunks take
+    them in reverse order): (each (token, rank) row's slot in the combine buffer [tokens, world], -1
+    where none comes back; (token, expert) assignments dropped for lack of room; the send buffer
+    [world * sum(caps), row width]). With expert groups, ``tables`` holds each dispatch block's
+    start and size and each combine block's, each [chunks * world] (``static_tables``).
 
-    Rows go to their block in token order; one past its dispatch block's size is dropped, and so
-    is one past its combine block's (the last of that block's rows in slot order, so the others'
-    positions stand). The sizes are tensors, not kept: a captured graph keeps its own, whatever
-    ``expert_chunks`` is set to later."""
-    world = len(sizes) // chunks
-    first, last, count = row_groups(ids, n_local, chunks, world)
+    A row past its dispatch or its combine block's room is dropped, with every expert of its
+    token there; a position it held in the other block stays empty."""
+    count, block, back_block = _blocks(ids, n_local, chunks, world)
+    pos, back_pos, _, _ = _positions(block, back_block, chunks, world)
     present = count > 0
-    block = torch.where(present, first * world + torch.arange(world, device=x.device), chunks * world)
-    pos = rank_within_key(block.flatten(), chunks * world)[0].view_as(block)
-    block = block.clamp(max=chunks * world - 1)
-    kept = present & (pos < sizes[block])
-    slot = torch.where(kept, block_starts(sizes)[block] + pos, -1)
     if chunks == 1:
-        position, back_block = pos, block
+        cap = caps[0]
+        returned = present & (pos < cap)
+        slot = back_slot = torch.where(returned, block * cap + pos, -1)
     else:
-        position, back_block, _ = _return_positions(slot, kept, last, chunks, num_slots)
-        back_block = back_block.clamp(max=chunks * world - 1)
-    returned = kept & (position < back_sizes[back_block])
-    back_slot = torch.where(returned, block_starts(back_sizes)[back_block] + position, -1)
+        starts, sizes, back_starts, back_sizes = tables
+        block, back_block = block.clamp(max=chunks * world - 1), back_block.clamp(max=chunks * world - 1)
+        returned = present & (pos < sizes[block]) & (back_pos < back_sizes[back_block])
+        slot = torch.where(returned, starts[block] + pos, -1)
+        back_slot = torch.where(returned, back_starts[back_block] + back_pos, -1)
     dropped = torch.where(present & ~returned, count, 0).sum()
-    columns = _row_columns(x, ids, weights, n_local, world, position)
-    return back_slot, dropped, _gather_send(x, columns, torch.where(returned, slot, -1), num_slots)
+    columns = _row_columns(x, ids, weights, n_local, world, back_pos)
+    return back_slot, dropped, _gather_send(x, columns, slot, world * sum(caps))
+
+
+def static_tables(caps: list[int], world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(dispatch block starts, their sizes, combine block starts, their sizes), each
+    [len(caps) * world] on ``device``, for dispatch chunks of ``caps`` rows per rank, filled there
+    (a copy from host memory would synchronize, and a graph capture cannot record one from
+    pageable memory)."""
+    sizes = _device_ints([cap for cap in caps for _ in range(world)], device)
+    back_sizes = _device_ints([cap for cap in reversed(caps) for _ in range(world)], device)
+    return block_starts(sizes), sizes, block_starts(back_sizes), back_sizes
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
 
 
 def counted_dispatch_plan(
@@ -203,18 +239,14 @@ def counted_dispatch_plan(
     [chunks * world]; the send buffer [tokens * min(top_k, world), row width]), the blocks packed
     one after another from the first row: ``dispatch_plan``'s layout without capacity."""
     num_tokens, top_k = ids.shape
-    first, last, count = row_groups(ids, n_local, chunks, world)
+    count, block, back_block = _blocks(ids, n_local, chunks, world)
+    pos, back_pos, sizes, back_sizes = _positions(block, back_block, chunks, world)
     present = count > 0
-    block = torch.where(present, first * world + torch.arange(world, device=x.device), chunks * world)
-    pos, sizes = rank_within_key(block.flatten(), chunks * world)
-    pos = pos.view_as(block)
-    slot = torch.where(present, block_starts(sizes)[block.clamp(max=chunks * world - 1)] + pos, -1)
-    num_slots = num_tokens * min(top_k, world)
+    last_block = chunks * world - 1
+    slot = torch.where(present, block_starts(sizes)[block.clamp(max=last_block)] + pos, -1)
     if chunks == 1:
-        position, back_block, back_sizes = pos, block, sizes
+        back_slot = slot
     else:
-        position, back_block, back_sizes = _return_positions(slot, present, last, chunks, num_slots)
-    back_start = block_starts(back_sizes)[back_block.clamp(max=chunks * world - 1)]
-    back_slot = torch.where(present, back_start + position, -1)
-    columns = _row_columns(x, ids, weights, n_local, world, position)
-    return back_slot, sizes, back_sizes, _gather_send(x, columns, slot, num_slots)
+        back_slot = torch.where(present, block_starts(back_sizes)[back_block.clamp(max=last_block)] + back_pos, -1)
+    columns = _row_columns(x, ids, weights, n_local, world, back_pos)
+    return back_slot, sizes, back_sizes, _gather_send(x, columns, slot, num_tokens * min(top_k, world))

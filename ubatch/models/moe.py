@@ -37,6 +37,7 @@ from ubatch.models.dispatch import (
     counted_dispatch_plan,
     dispatch_plan,
     split_dispatch_rows,
+    static_tables,
 )
 from ubatch.models.fusion import fused
 from ubatch.models.gather_sum import gather_sum
@@ -96,8 +97,8 @@ class _Dispatched:
     recv_chunks: list[slice]
     comb_chunks: list[slice]
     back_chunks: list[slice]
-    row_block: torch.Tensor
-    comb_starts: torch.Tensor
+    row_block: torch.Tensor | None
+    comb_starts: torch.Tensor | None
     dispatches: list[comm.CollectiveHandle | None]
     # Per chunk, this rank's rows to its own experts in the send and the received buffer (the
     # all-to-all hands them over unchanged).
@@ -111,6 +112,9 @@ class _Dispatched:
     # a transfer still reads them, their blocks could go to new work on the stream that made them
     # (another ubatch's shared experts, the next expert group).
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+_Layout = tuple[tuple[torch.Tensor, ...], torch.Tensor | None]  # MoEFFN._static_layout's
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
@@ -206,7 +210,9 @@ class MoEFFN(nn.Module):
         self.local_first = False
         self.expert_capacity_factor: float | None = None
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
-        self._layouts: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[
+            tuple[tuple[int, ...], torch.device], tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+        ] = {}
 
     def capacity(self, num_tokens: int) -> list[int]:
         """Rows each rank sends each destination rank per dispatch chunk for ``num_tokens``
@@ -272,12 +278,11 @@ class MoEFFN(nn.Module):
     ) -> tuple[torch.Tensor, _Dispatched]:
         """Each (chunk, destination) block sent at its full capacity (graph-capturable)."""
         num_tokens, hidden = x.shape
-        world = self.ep_world
+        chunks, world = self.expert_chunks, self.ep_world
         caps = self.capacity(num_tokens)
-        sizes, back_sizes, row_block = self._static_layout(caps, x.device)
-        num_slots = world * sum(caps)
+        tables, row_block = self._static_layout(caps, x.device)
         back_slot, dropped, send = dispatch_plan(
-            x, ids, weights, self.num_local_experts, self.expert_chunks, sizes, back_sizes, num_slots
+            x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables
         )
         if min(caps) < num_tokens:
             self.overflow_count += dropped
@@ -295,26 +300,27 @@ class MoEFFN(nn.Module):
             back_chunks,
             back_chunks,
             row_block,
-            block_starts(back_sizes),
+            tables[2] if tables else None,
             dispatches,
             own,
             own,
         )
 
-    def _static_layout(self, caps: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows per dispatch block, rows per combine block, each received row's block) for
-        dispatch chunks of ``caps`` rows per rank, on ``device``. Kept per layout when made outside
-        a graph capture (a capture records kernels without running them, so its tensors hold
-        nothing until a replay)."""
+    def _static_layout(self, caps: list[int], device: torch.device) -> _Layout:
+        """With expert groups, the block tables of dispatch chunks of ``caps`` rows per rank
+        (``dispatch.static_tables``) and each received row's block, on ``device``; one group needs
+        neither. Kept per layout when made outside a graph capture (a capture records kernels
+        without running them, so its tensors hold nothing until a replay)."""
+        if len(caps) == 1:
+            return (), None
         key = (tuple(caps), device)
         if key in self._layouts:
             return self._layouts[key]
-        world = self.ep_world
-        dispatch = [cap for cap in caps for _ in range(world)]
-        sizes = _device_ints(dispatch, device)
-        back_sizes = _device_ints([cap for cap in reversed(caps) for _ in range(world)], device)
-        row_block = torch.arange(len(dispatch), device=device).repeat_interleave(sizes, output_size=sum(dispatch))
-        layout = sizes, back_sizes, row_block
+        tables = static_tables(caps, self.ep_world, device)
+        row_block = torch.arange(len(tables[1]), device=device).repeat_interleave(
+            tables[1], output_size=self.ep_world * sum(caps)
+        )
+        layout = tables, row_block
         if not _capturing():
             self._layouts[key] = layout
         return layout
@@ -347,8 +353,13 @@ class MoEFFN(nn.Module):
             _start_all_to_all(recv[r], send[b], self.ep_group, split)
             for r, b, split in zip(recv_chunks, send_chunks, splits)
         ]
-        blocks = received[:, :k].t().flatten()  # rows per received (chunk, source) block
-        row_block = torch.arange(k * world, device=x.device).repeat_interleave(blocks, output_size=recv_chunks[-1].stop)
+        row_block = comb_starts = None
+        if k > 1:  # where a landed row goes in the combine (_combine_chunk)
+            blocks = received[:, :k].t().flatten()  # rows per received (chunk, source) block
+            row_block = torch.arange(k * world, device=x.device).repeat_interleave(
+                blocks, output_size=recv_chunks[-1].stop
+            )
+            comb_starts = block_starts(received[:, k:].t().flatten())
         back_chunks = _consecutive([sum(rows) for rows in back_rows])
         return back_slot, _Dispatched(
             num_tokens,
@@ -359,7 +370,7 @@ class MoEFFN(nn.Module):
             _consecutive([sum(rows) for rows in comb_rows]),
             back_chunks,
             row_block,
-            block_starts(received[:, k:].t().flatten()),
+            comb_starts,
             dispatches,
             _own_rows(send_chunks, sent_rows, self.ep_rank),
             _own_rows(recv_chunks, received_rows, self.ep_rank),
@@ -579,12 +590,6 @@ def _own_rows(chunks: list[slice], rows_per_rank: list[list[int]], rank: int) ->
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, filled there: a copy from host memory would
-    synchronize, and a graph capture cannot record one from pageable memory."""
-    return torch.stack([torch.full((), v, dtype=torch.int64, device=device) for v in values])
 
 
 def _static_only() -> bool:
