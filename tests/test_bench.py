@@ -361,7 +361,7 @@ def test_capacity_factor_reports_the_dropped_share_unsplit_and_ubatched(tmp_path
     main([*common, "--num-experts", "4", "--capacity-factor", "0.3", "--out", str(out)])
     dropped = json.loads(out.read_text())["results"][0]["dropped_fraction"]
     assert set(dropped) == {"unsplit", "ubatched"}
-    # one rank: 0.3 of the 128 assignments bounds its one bucket to 39 of its 64 tokens' rows
+    # one rank: 0.3 of the 128 assignments bounds its one block to 39 of its 64 tokens' rows
     assert all(0.0 < share < 1.0 for share in dropped.values()), dropped
     main([*common, "--out", str(out)])
     assert json.loads(out.read_text())["results"][0]["dropped_fraction"] is None  # worst case: none dropped

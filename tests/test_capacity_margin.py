@@ -17,7 +17,7 @@ from ubatch.overlap import parse_modes
 MODES = parse_modes("overlap,pipeline2,split2,split3,split2+join,split2+join+pipeline2")
 
 
-def test_routing_fill_is_the_fullest_bucket_and_expert_over_their_balanced_shares():
+def test_routing_fill_is_the_fullest_block_and_expert_over_their_balanced_shares():
     ids = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])  # 4 experts over 2 ranks: 0, 1 on rank 0
     # every token sends rank 0 one row, whichever of its experts are there: 4 rows, where a uniform
     # router's top-2 misses both of a rank's experts 1 time in 6 (share 10 / 3); expert 0 takes 3

@@ -155,7 +155,7 @@ def test_own_rows_run_before_the_dispatch_is_waited(monkeypatch, capacity_factor
     assert waited == "wait" and own > 0 and peers > 0, events
     # Counted: one row per token and destination rank holding any of its experts (over the
     # stand-in, a world of one, the rows for the other rank come back as if it had sent them);
-    # static: every bucket at its capacity.
+    # static: every block at its capacity.
     destinations = routed[0] // layer.num_local_experts
     real = sum(int((destinations == rank).any(dim=1).sum()) for rank in range(2))
     assert own + peers == (real if capacity_factor is None else layer.capacity(8)[0] * 2)

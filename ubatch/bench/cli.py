@@ -375,7 +375,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         if capacity:
             print(
                 f"- capacity factors {capacity['dispatch']:g} (dispatch) and {capacity['expert']:g} (experts): "
-                f"the fullest bucket held {capacity['dispatch_fill']:g}x its balanced share and the fullest "
+                f"the fullest block held {capacity['dispatch_fill']:g}x its balanced share and the fullest "
                 f"expert {capacity['expert_fill']:g}x, times a margin of {capacity['margin']:g}"
             )
         return

@@ -80,7 +80,7 @@ def add_model_overrides(p: argparse.ArgumentParser, *, measured_capacity: bool =
         help="MoE: override the preset's number of experts (expert parallelism needs a multiple of the world size)",
     )
     measured = (
-        "; measured[:MARGIN] (with --modes): the fullest bucket the router fills in a run of every mode at "
+        "; measured[:MARGIN] (with --modes): the fullest block the router fills in a run of every mode at "
         f"every size, times MARGIN (default {DEFAULT_MARGIN:g})"
         if measured_capacity
         else ""

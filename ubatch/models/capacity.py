@@ -1,4 +1,4 @@
-"""MoE capacity factors measured from routing: how full the router filled the fullest bucket
+"""MoE capacity factors measured from routing: how full the router filled the fullest block
 and the fullest expert on the runs it saw, times a margin.
 
 Why: a capacity factor bounds the rows each rank sends each peer (and, under a padded expert
@@ -35,7 +35,7 @@ from ubatch.models.dispatch import balanced_chunk_rows, row_groups
 
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
-differently, and a split's ubatches (fewer tokens each) fill their buckets more unevenly."""
+differently, and a split's ubatches (fewer tokens each) fill their blocks more unevenly."""
 
 ROUNDING = 0.05  # capacity factors are rounded up to a multiple of this
 
@@ -62,7 +62,7 @@ def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -
 class MeasuredCapacity:
     """Capacity factors from measured fills: ``dispatch`` for the rows each rank sends each
     destination (``MoEFFN.capacity_factor``), ``expert`` for the rows of one expert in the padded
-    expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a bucket of
+    expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a block of
     many experts), each its fill times the margin, rounded up."""
 
     dispatch: float
@@ -108,7 +108,7 @@ class RoutingFill:
         self._fills.append(routing_fill(ids, num_experts, layer.ep_world, layer.expert_chunks))
 
     def fills(self, group: Any = None) -> tuple[float, float]:
-        """(bucket fill, expert fill): the largest recorded, over every rank of ``group`` when
+        """(block fill, expert fill): the largest recorded, over every rank of ``group`` when
         distributed (every rank calls this alike); RuntimeError if no MoE layer ran."""
         if not self._fills:
             raise RuntimeError("RoutingFill recorded no MoE layer call: run the model inside the with block")

@@ -5,7 +5,7 @@ Why: with one dispatch row per token and destination (``ubatch.models.moe``), th
 sums each row's experts' outputs and the sender sums each token's rows from every destination.
 In torch ops that is a gather of ``[rows, k, hidden]``, a float32 copy, a multiply, a mask and a
 sum, four or five passes over ``k`` times the output; most of the gathered rows are padding (a
-token has a handful of its top-k experts in any one bucket), which the kernel skips instead of
+token has a handful of its top-k experts on any one rank), which the kernel skips instead of
 reading. On an H200 the torch version added 0.2 / 0.6 ms per layer to a DeepSeek-style decode
 step (top-8 of 64) at 256 / 1024 tokens (benchmarks/h200/dispatch_ab).
 """

@@ -292,18 +292,18 @@ class MoEFFN(nn.Module):
         dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in recv_chunks]
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
-            num_tokens,
-            send,
-            recv,
-            x.new_empty(back_chunks[-1].stop, hidden),
-            recv_chunks,
-            back_chunks,
-            back_chunks,
-            row_block,
-            tables[2] if tables else None,
-            dispatches,
-            own,
-            own,
+            num_tokens=num_tokens,
+            send=send,
+            recv=recv,
+            back=x.new_empty(back_chunks[-1].stop, hidden),
+            recv_chunks=recv_chunks,
+            comb_chunks=back_chunks,  # every rank's blocks have the same sizes
+            back_chunks=back_chunks,
+            row_block=row_block,
+            comb_starts=tables[2] if tables else None,
+            dispatches=dispatches,
+            own_sent=own,
+            own_received=own,
         )
 
     def _static_layout(self, caps: list[int], device: torch.device) -> _Layout:
@@ -362,20 +362,20 @@ class MoEFFN(nn.Module):
             comb_starts = block_starts(received[:, k:].t().flatten())
         back_chunks = _consecutive([sum(rows) for rows in back_rows])
         return back_slot, _Dispatched(
-            num_tokens,
-            send,
-            recv,
-            x.new_empty(back_chunks[-1].stop, hidden),
-            recv_chunks,
-            _consecutive([sum(rows) for rows in comb_rows]),
-            back_chunks,
-            row_block,
-            comb_starts,
-            dispatches,
-            _own_rows(send_chunks, sent_rows, self.ep_rank),
-            _own_rows(recv_chunks, received_rows, self.ep_rank),
-            splits,
-            list(zip(back_rows, comb_rows)),
+            num_tokens=num_tokens,
+            send=send,
+            recv=recv,
+            back=x.new_empty(back_chunks[-1].stop, hidden),
+            recv_chunks=recv_chunks,
+            comb_chunks=_consecutive([sum(rows) for rows in comb_rows]),
+            back_chunks=back_chunks,
+            row_block=row_block,
+            comb_starts=comb_starts,
+            dispatches=dispatches,
+            own_sent=_own_rows(send_chunks, sent_rows, self.ep_rank),
+            own_received=_own_rows(recv_chunks, received_rows, self.ep_rank),
+            splits=splits,
+            comb_splits=list(zip(back_rows, comb_rows)),
         )
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
@@ -493,7 +493,7 @@ class MoEFFN(nn.Module):
         (``PADDED_MAX_ROWS_PIPELINED`` where the experts run in groups).
         ``expert_capacity_factor`` (None: ``capacity_factor``) times a balanced expert's rows,
         rounded up to ``PADDED_ROWS_STEP``; rows past it are dropped and counted like the
-        dispatch's. (One expert's rows vary more than a dispatch bucket of many experts, so a
+        dispatch's. (One expert's rows vary more than a dispatch block of many experts, so a
         measured factor for the experts is larger: ``ubatch.models.capacity``.)"""
         if self.capacity_factor is None:
             return None
