@@ -82,6 +82,10 @@ def _modes_over_ep(rank: int, world: int) -> None:
             "local,split2+local,pipeline2+local,split3+join+pipeline2+local",
             rank,
         )
+    # the static dispatch (a capacity no row exceeds): each rank places the other's rows at the
+    # return positions they carry, per expert group
+    static = build_model(ModelConfig(**CONFIG, capacity_factor=8.0), device="cpu", ep_group=dist.group.WORLD)
+    check_modes_equal_unsplit(static, 0, "pipeline2,pipeline4,split2+join+pipeline2,pipeline2+local", rank)
 
 
 def test_overlap_modes_equal_unsplit_expert_parallel():
