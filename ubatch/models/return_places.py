@@ -14,7 +14,7 @@ import torch
 from ubatch._triton import tl, triton, triton_available
 from ubatch.models.dispatch import row_column_offsets
 
-_BLOCK_K = 16  # id columns read per row; top_k is at most this
+_BLOCK_K = 16  # id columns the kernel reads per row; a larger top_k takes the torch path
 
 
 def place_returns(
