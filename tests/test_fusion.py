@@ -115,7 +115,7 @@ def test_fused_glue_compiles_once_with_dynamic_shapes_or_once_for_per_shape_use(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode_name", ["unsplit", "split2+join"])
+@pytest.mark.parametrize("mode_name", ["unsplit", "split2+join", "pipeline2", "split2+join+pipeline2"])
 def test_fused_model_equals_plain_model_eager_and_replayed(mode_name):
     from ubatch import CUDAGraphMode, split_batch
     from ubatch.graphed import GraphedModel
