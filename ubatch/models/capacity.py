@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ubatch.models.dispatch import balanced_chunk_rows, row_groups
+from ubatch.models.dispatch import balanced_chunk_rows, row_blocks
 
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
@@ -45,13 +45,12 @@ def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -
     float64 tensor of 2 on ``ids``' device (no host sync; float64 so that a factor rounded up
     from it never falls below it), for expert ids ``[tokens, top_k]`` routed on one rank."""
     tokens, top_k = ids.shape
-    first, last, count = row_groups(ids, num_experts // world, chunks, world)
-    rank = torch.arange(world, device=ids.device)
+    _, first, last = row_blocks(ids, num_experts // world, chunks, world)  # blocks; none past them
+    blocks = chunks * world
     shares = torch.tensor(balanced_chunk_rows(tokens, num_experts, top_k, world, chunks), dtype=torch.float64)
     fills = []
-    for group, share in ((first, shares), (last, shares.flip(0))):
-        block = torch.where(count > 0, group * world + rank, chunks * world).flatten()
-        rows = torch.bincount(block, minlength=chunks * world + 1)[:-1].double()
+    for block, share in ((first, shares), (last, shares.flip(0))):
+        rows = torch.bincount(block.flatten(), minlength=2 * blocks + 1)[:blocks].double()
         balanced = share.repeat_interleave(world).to(ids.device)
         fills.append(torch.where(balanced > 0, rows / balanced, 0.0).max())
     per_expert = torch.bincount(ids.flatten(), minlength=num_experts)

@@ -21,31 +21,20 @@ give every (chunk, rank) block a fixed size; counted plans pack the real rows an
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ubatch.models.fusion import fused
 
 
-def row_groups(
-    ids: torch.Tensor, n_local: int, chunks: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(first, last, count), each [tokens, world]: the earliest and latest expert group among a
-    token's experts on each rank (``chunks`` and -1 where it has none there) and how many of its
-    experts that rank holds (0: no row goes there)."""
-    on = (ids // n_local)[:, :, None] == torch.arange(world, device=ids.device)  # [token, expert, rank]
-    group = ids % n_local // (n_local // chunks)
-    first = torch.where(on, group[:, :, None], chunks).amin(dim=1)
-    last = torch.where(on, group[:, :, None], -1).amax(dim=1)
-    return first, last, on.sum(dim=1)
-
-
-def _blocks(
+def row_blocks(
     ids: torch.Tensor, n_local: int, chunks: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(experts per (token, rank) [tokens, world], each (token, rank) row's dispatch block (its
-    earliest group's chunk, then the rank) and combine block (its latest group's), ``_none``
-    where no row goes): with one chunk both blocks are the rank."""
+    earliest expert group's chunk, then the rank: ``chunk * world + rank``) and combine block (its
+    latest group's), ``2 * chunks * world`` where no row goes): with one chunk both blocks are the
+    rank."""
     on = (ids // n_local)[:, :, None] == torch.arange(world, device=ids.device)
     count = on.sum(dim=1)
     rank = torch.arange(world, device=ids.device)
@@ -64,6 +53,16 @@ def _none(chunks: int, world: int) -> int:
     """The block of a (token, rank) pair with no row: past every block, also once a second set of
     ``chunks * world`` keys is laid after the first (``_positions``)."""
     return 2 * chunks * world
+
+
+class BlockTables(NamedTuple):
+    """A static layout's blocks, each [chunks * world], chunk-major: where each dispatch block
+    starts and how many rows it holds, and the same for the combine's."""
+
+    starts: torch.Tensor
+    sizes: torch.Tensor
+    back_starts: torch.Tensor
+    back_sizes: torch.Tensor
 
 
 def _positions(
@@ -189,17 +188,17 @@ def dispatch_plan(
     chunks: int,
     world: int,
     caps: tuple[int, ...],
-    tables: tuple[torch.Tensor, ...] = (),
+    tables: BlockTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The static plan for dispatch chunks of ``caps`` rows per rank (the combine's chunks take
     them in reverse order): (each (token, rank) row's slot in the combine buffer [tokens, world], -1
     where none comes back; (token, expert) assignments dropped for lack of room; the send buffer
-    [world * sum(caps), row width]). With expert groups, ``tables`` holds each dispatch block's
-    start and size and each combine block's, each [chunks * world] (``static_tables``).
+    [world * sum(caps), row width]). With expert groups, ``tables`` holds the blocks
+    (``static_tables``).
 
     A row past its dispatch or its combine block's room is dropped, with every expert of its
     token there; a position it held in the other block stays empty."""
-    count, block, back_block = _blocks(ids, n_local, chunks, world)
+    count, block, back_block = row_blocks(ids, n_local, chunks, world)
     pos, back_pos, _, _ = _positions(block, back_block, chunks, world)
     present = count > 0
     if chunks == 1:
@@ -217,14 +216,13 @@ def dispatch_plan(
     return back_slot, dropped, _gather_send(x, columns, slot, world * sum(caps))
 
 
-def static_tables(caps: list[int], world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(dispatch block starts, their sizes, combine block starts, their sizes), each
-    [len(caps) * world] on ``device``, for dispatch chunks of ``caps`` rows per rank, filled there
-    (a copy from host memory would synchronize, and a graph capture cannot record one from
-    pageable memory)."""
+def static_tables(caps: list[int], world: int, device: torch.device) -> BlockTables:
+    """The blocks of dispatch chunks of ``caps`` rows per rank (the combine's chunks take them in
+    reverse order), on ``device``, filled there (a copy from host memory would synchronize, and a
+    graph capture cannot record one from pageable memory)."""
     sizes = _device_ints([cap for cap in caps for _ in range(world)], device)
     back_sizes = _device_ints([cap for cap in reversed(caps) for _ in range(world)], device)
-    return block_starts(sizes), sizes, block_starts(back_sizes), back_sizes
+    return BlockTables(block_starts(sizes), sizes, block_starts(back_sizes), back_sizes)
 
 
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -239,7 +237,7 @@ def counted_dispatch_plan(
     [chunks * world]; the send buffer [tokens * min(top_k, world), row width]), the blocks packed
     one after another from the first row: ``dispatch_plan``'s layout without capacity."""
     num_tokens, top_k = ids.shape
-    count, block, back_block = _blocks(ids, n_local, chunks, world)
+    count, block, back_block = row_blocks(ids, n_local, chunks, world)
     pos, back_pos, sizes, back_sizes = _positions(block, back_block, chunks, world)
     present = count > 0
     last_block = chunks * world - 1

@@ -32,6 +32,7 @@ from ubatch.models import expert_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.dispatch import (
+    BlockTables,
     balanced_chunk_rows,
     block_starts,
     counted_dispatch_plan,
@@ -114,7 +115,7 @@ class _Dispatched:
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
-_Layout = tuple[tuple[torch.Tensor, ...], torch.Tensor | None]  # MoEFFN._static_layout's
+_Layout = tuple[BlockTables | None, torch.Tensor | None]  # MoEFFN._static_layout's
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
@@ -210,9 +211,7 @@ class MoEFFN(nn.Module):
         self.local_first = False
         self.expert_capacity_factor: float | None = None
         self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
-        self._layouts: dict[
-            tuple[tuple[int, ...], torch.device], tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
-        ] = {}
+        self._layouts: dict[tuple[tuple[int, ...], torch.device], _Layout] = {}
 
     def capacity(self, num_tokens: int) -> list[int]:
         """Rows each rank sends each destination rank per dispatch chunk for ``num_tokens``
@@ -300,7 +299,7 @@ class MoEFFN(nn.Module):
             comb_chunks=back_chunks,  # every rank's blocks have the same sizes
             back_chunks=back_chunks,
             row_block=row_block,
-            comb_starts=tables[2] if tables else None,
+            comb_starts=None if tables is None else tables.back_starts,
             dispatches=dispatches,
             own_sent=own,
             own_received=own,
@@ -312,13 +311,13 @@ class MoEFFN(nn.Module):
         neither. Kept per layout when made outside a graph capture (a capture records kernels
         without running them, so its tensors hold nothing until a replay)."""
         if len(caps) == 1:
-            return (), None
+            return None, None
         key = (tuple(caps), device)
         if key in self._layouts:
             return self._layouts[key]
         tables = static_tables(caps, self.ep_world, device)
-        row_block = torch.arange(len(tables[1]), device=device).repeat_interleave(
-            tables[1], output_size=self.ep_world * sum(caps)
+        row_block = torch.arange(len(tables.sizes), device=device).repeat_interleave(
+            tables.sizes, output_size=self.ep_world * sum(caps)
         )
         layout = tables, row_block
         if not _capturing():
