@@ -98,7 +98,7 @@ def test_out_may_be_the_add_to_accumulate_in_float32():
 
 def test_triton_kernel_interpreted():
     """The kernel under Triton's CPU interpreter against the torch path: every dtype, weighted or
-    not, with and without ``add``, a strided source, a hidden size past one block."""
+    not, with and without ``add``, a strided source and weight, a hidden size past one block."""
     script = """
 import torch
 from ubatch.models import gather_sum as m
@@ -109,9 +109,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         index = torch.randint(-1, n, (rows, k))
         weight = torch.rand(rows, k)
         weight[index < 0] = float("nan")
+        strided_weight = torch.rand(rows, k + 3)[:, 2 : 2 + k]  # as the weight columns of dispatch rows
+        strided_weight[index < 0] = float("nan")
         add = torch.randn(rows, hidden).to(dtype)
         for src in (wide[:, :hidden].contiguous(), wide[:, 3 : 3 + hidden]):
-            for w in (None, weight):
+            for w in (None, weight, strided_weight):
                 for a in (None, add):
                     got = torch.empty(rows, hidden, dtype=dtype)
                     m._gather_sum_triton(src, index, w, a, got)
@@ -137,6 +139,9 @@ def test_cuda_kernel_matches_the_torch_path_and_replays_from_a_graph(dtype):
 
     got = gather_sum(src, index, weight, add)
     torch.testing.assert_close(got, torch_path(add), rtol=ULP[dtype], atol=1e-5)
+    strided = torch.full((len(weight), 11), float("nan"), device="cuda")
+    strided[:, 2:10] = weight
+    torch.testing.assert_close(gather_sum(src, index, strided[:, 2:10], add), got, rtol=0, atol=0)
     acc = add.float()
     want = _gather_sum_torch(src, index, weight, acc)
     gather_sum(src, index, weight, add=acc, out=acc)  # in place, in float32

@@ -137,9 +137,13 @@ def row_column_offsets(hidden: int, top_k: int, dtype: torch.dtype) -> tuple[int
 
 def split_dispatch_rows(rows: torch.Tensor, hidden: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden states, expert ids [rows, top_k] (int64, -1 where none), float32 weights) of
-    dispatch rows."""
+    dispatch rows [rows, width]; the weights are a view of the rows where they are 4-byte aligned."""
     position, ids = row_column_offsets(hidden, top_k, rows.dtype)
-    weights = rows[:, hidden:position].contiguous().view(torch.float32)
+    per_float = _int32_columns(rows.dtype)
+    if hidden % per_float or rows.stride(0) % per_float:  # the weights' bits straddle two floats
+        weights = rows[:, hidden:position].contiguous().view(torch.float32)
+    else:
+        weights = rows.view(torch.float32)[:, hidden // per_float : position // per_float]
     return rows[:, :hidden], rows[:, ids : ids + top_k].long(), weights
 
 

@@ -29,7 +29,8 @@ def gather_sum(
     """``out[i] = add[i] + sum_j weight[i, j] * src[index[i, j]]`` over the ``j`` with
     ``index[i, j] >= 0``, accumulated in float32 in column order: [rows, hidden] from ``src``
     [n, hidden], ``index`` [rows, k] (int64; negative: nothing to add, and ``src`` is not read
-    there), ``weight`` [rows, k] float32 (None: 1) and ``add`` [rows, hidden] (None: 0). Written
+    there), ``weight`` [rows, k] float32 (None: 1; its rows may be strided, as the weight columns of
+    dispatch rows are) and ``add`` [rows, hidden] (None: 0). Written
     to ``out`` (contiguous [rows, hidden], any float dtype; it may be ``add`` itself, to
     accumulate in place) or returned in ``src``'s dtype."""
     _check(src, index, weight, add, out)
@@ -90,15 +91,18 @@ def _gather_sum_triton(
     if rows == 0:
         return
     index = index.contiguous()
+    if weight is not None and weight.stride(1) != 1:
+        weight = weight.contiguous()
     block = min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(hidden))
     _gather_sum_kernel[(rows, triton.cdiv(hidden, block))](
         src,
         index,
-        index if weight is None else weight.contiguous(),
+        index if weight is None else weight,
         out if add is None else add.contiguous(),
         out,
         hidden,
         src.stride(0),
+        0 if weight is None else weight.stride(0),
         K=k,
         HAS_WEIGHT=weight is not None,
         HAS_ADD=add is not None,
@@ -118,6 +122,7 @@ if triton is not None:
         out_ptr,
         hidden,
         stride_src,
+        stride_weight,
         K: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         HAS_ADD: tl.constexpr,
@@ -138,6 +143,6 @@ if triton is not None:
             read = in_row & (cols * 0 + source >= 0)  # a vector mask: Triton's interpreter (3.9) takes no scalar in one
             values = tl.load(src_ptr + source * stride_src + cols, mask=read, other=0.0).to(tl.float32)
             if HAS_WEIGHT:
-                values = values * tl.where(read, tl.load(weight_ptr + row * K + j), 0.0)
+                values = values * tl.where(read, tl.load(weight_ptr + row * stride_weight + j), 0.0)
             acc += values
         tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
