@@ -28,7 +28,7 @@ from torch import nn
 
 from ubatch import comm, islands, scheduler
 from ubatch.context import in_static_collectives
-from ubatch.models import expert_rows
+from ubatch.models import expert_rows, send_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.dispatch import (
@@ -36,7 +36,6 @@ from ubatch.models.dispatch import (
     balanced_chunk_rows,
     block_starts,
     counted_dispatch_plan,
-    dispatch_plan,
     split_dispatch_rows,
     static_tables,
 )
@@ -280,7 +279,7 @@ class MoEFFN(nn.Module):
         chunks, world = self.expert_chunks, self.ep_world
         caps = self.capacity(num_tokens)
         tables, row_block = self._static_layout(caps, x.device)
-        back_slot, dropped, send = dispatch_plan(
+        back_slot, dropped, send = send_rows.static_plan(
             x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables
         )
         if min(caps) < num_tokens:

@@ -1,0 +1,269 @@
+"""The static dispatch plan (``dispatch.dispatch_plan``) in two Triton kernels on CUDA.
+
+Why: in torch ops the sender's plan is about 30 small kernels per layer with one expert group
+(each (token, rank) row's block, a one-hot scan for its position, the slot, the extra columns, the
+gather of the send buffer) and about 50 with several; inside a CUDA graph each costs a few
+microseconds whatever its size, and the pipelined modes' extra ones were most of what they cost
+over the unsplit step with no communication (benchmarks/RESULTS.md, run 10). Here one program
+walks the (token, rank) rows in order, keeping each block's running count (the torch scan's
+positions, so the same slots), and a second kernel writes every send row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ubatch._triton import tl, triton, triton_available
+from ubatch.models.dispatch import BlockTables, dispatch_plan, dispatch_row_width, row_column_offsets
+
+_MAX_TOP_K = 16  # experts a token may have here; more take the torch path
+_MAX_KEYS = 128  # (chunk, rank) blocks the scan counts at once, dispatch and combine together
+_BLOCK_ROWS = 256  # (token, rank) rows the scan takes per loop step
+_BLOCK_FILL = 1024  # send slots cleared per loop step
+_MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_takes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, chunks: int, world: int) -> bool:
+    """Whether the kernels handle this plan: CUDA with Triton, dense rows, contiguous int64 ids and
+    float32 weights of at most ``_MAX_TOP_K`` experts a token, at most ``_MAX_KEYS`` keys."""
+    keys = chunks * world * (1 if chunks == 1 else 2)
+    return (
+        triton_available(x.device)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in _ROW_DTYPES
+        and ids.is_contiguous()
+        and ids.dtype == torch.int64
+        and weights.is_contiguous()
+        and weights.dtype == torch.float32
+        and ids.shape[1] <= _MAX_TOP_K
+        and keys <= _MAX_KEYS
+    )
+
+
+def static_plan(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    n_local: int,
+    chunks: int,
+    world: int,
+    caps: tuple[int, ...],
+    tables: BlockTables | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch."""
+    take = kernel_takes(x, ids, weights, chunks, world)
+    return (dispatch_plan_kernel if take else dispatch_plan)(x, ids, weights, n_local, chunks, world, caps, tables)
+
+
+def dispatch_plan_kernel(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    n_local: int,
+    chunks: int,
+    world: int,
+    caps: tuple[int, ...],
+    tables: BlockTables | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dispatch.dispatch_plan`` in two launches, with the same slots, dropped count and rows,
+    except that a padding row's hidden state is zeros (no expert reads it)."""
+    num_tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_slots = world * sum(caps)
+    width = dispatch_row_width(hidden, top_k, x.dtype)
+    position_at, ids_at = row_column_offsets(hidden, top_k, x.dtype)
+    back_slot = torch.empty(num_tokens, world, dtype=torch.int64, device=x.device)
+    back_pos = torch.empty(num_tokens * world, dtype=torch.int32, device=x.device)
+    source = torch.empty(num_slots, dtype=torch.int32, device=x.device)
+    dropped = torch.empty((), dtype=torch.int64, device=x.device)
+    send = x.new_empty(num_slots, width)
+    if num_tokens == 0:  # every slot a padding row; the kernels would read from empty tensors
+        send.zero_()[:, ids_at : ids_at + top_k] = -1
+        return back_slot, dropped.zero_(), send
+    if chunks == 1:
+        starts = sizes = back_starts = back_sizes = back_slot  # unread: one chunk has no tables
+    else:
+        starts, sizes, back_starts, back_sizes = tables
+    keys = chunks * world * (1 if chunks == 1 else 2)
+    _plan_kernel[(1,)](
+        ids,
+        back_slot,
+        back_pos,
+        source,
+        dropped,
+        starts,
+        sizes,
+        back_starts,
+        back_sizes,
+        num_tokens * world,
+        num_slots,
+        top_k,
+        n_local,
+        n_local // chunks,
+        world,
+        caps[0],
+        CHUNKS=chunks,
+        KEYS=triton.next_power_of_2(keys),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_ROWS=_BLOCK_ROWS,
+        BLOCK_FILL=_BLOCK_FILL,
+        num_warps=4,
+    )
+    if num_slots:
+        _send_rows_kernel[(num_slots,)](
+            x,
+            ids,
+            weights,
+            back_pos,
+            source,
+            send,
+            x.stride(0),
+            hidden,
+            width,
+            position_at,
+            ids_at,
+            top_k,
+            n_local,
+            world,
+            BLOCK_HIDDEN=min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(max(hidden, 1))),
+            BLOCK_TAIL=triton.next_power_of_2(width - ids_at),
+            num_warps=4,
+        )
+    return back_slot, dropped, send
+
+
+if triton is not None:
+
+    @triton.jit
+    def _plan_kernel(
+        ids_ptr,
+        back_slot_ptr,
+        back_pos_ptr,
+        source_ptr,
+        dropped_ptr,
+        starts_ptr,
+        sizes_ptr,
+        back_starts_ptr,
+        back_sizes_ptr,
+        num_rows,
+        num_slots,
+        top_k,
+        n_local,
+        group_size,
+        world,
+        cap,
+        CHUNKS: tl.constexpr,
+        KEYS: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_FILL: tl.constexpr,
+    ):
+        """One program over the (token, rank) rows ``i = token * world + rank`` in order: each row's
+        dispatch block (its earliest expert group's chunk, then the rank) and combine block (its
+        latest group's, counted as a second set of keys), its position in each among the earlier
+        rows, its slots, and ``source[slot] = i`` for every kept row (-1 in the slots no row
+        takes). A row past either block's room is dropped with all its experts there."""
+        for start in tl.range(0, num_slots, BLOCK_FILL):
+            slots = start + tl.arange(0, BLOCK_FILL)
+            tl.store(source_ptr + slots, tl.full((BLOCK_FILL,), -1, tl.int32), mask=slots < num_slots)
+        tl.debug_barrier()  # every clear lands before a kept row's index does
+        blocks = CHUNKS * world
+        keys = tl.arange(0, KEYS)
+        cols = tl.arange(0, BLOCK_K)
+        seen = tl.zeros((KEYS,), dtype=tl.int32)
+        dropped = tl.zeros((BLOCK_ROWS,), dtype=tl.int64)
+        for start in tl.range(0, num_rows, BLOCK_ROWS):
+            i = start + tl.arange(0, BLOCK_ROWS)
+            live = i < num_rows
+            token = i // world
+            rank = i % world
+            ids = tl.load(
+                ids_ptr + token[:, None].to(tl.int64) * top_k + cols[None, :],
+                mask=live[:, None] & (cols[None, :] < top_k),
+                other=-1,
+            ).to(tl.int32)  # int64 division is many times slower
+            on = (ids >= 0) & (ids // n_local == rank[:, None])
+            count = tl.sum(on.to(tl.int32), axis=1)
+            present = live & (count > 0)
+            if CHUNKS == 1:
+                block = rank
+                back_key = rank
+            else:
+                group = (ids % n_local) // group_size
+                first = tl.min(tl.where(on, group, CHUNKS), axis=1)
+                last = tl.max(tl.where(on, group, -1), axis=1)
+                block = first * world + rank
+                back_key = last * world + rank + blocks
+            at_block = keys[None, :] == block[:, None]
+            at_back = keys[None, :] == back_key[:, None]
+            hit = present[:, None] & (at_block | at_back)
+            hits = hit.to(tl.int32)
+            before = seen[None, :] + tl.cumsum(hits, axis=0) - hits  # earlier rows with each key
+            pos = tl.sum(tl.where(hit & at_block, before, 0), axis=1)
+            back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=1)
+            seen += tl.sum(hits, axis=0)
+            if CHUNKS == 1:
+                returned = present & (pos < cap)
+                slot = block * cap + pos
+                back_slot = slot
+            else:
+                back_block = back_key - blocks
+                room = tl.load(sizes_ptr + block, mask=present, other=0)
+                back_room = tl.load(back_sizes_ptr + back_block, mask=present, other=0)
+                returned = present & (pos < room) & (back_pos < back_room)
+                slot = tl.load(starts_ptr + block, mask=present, other=0) + pos
+                back_slot = tl.load(back_starts_ptr + back_block, mask=present, other=0) + back_pos
+            tl.store(back_slot_ptr + i, tl.where(returned, back_slot, -1).to(tl.int64), mask=live)
+            tl.store(back_pos_ptr + i, back_pos.to(tl.int32), mask=live)
+            tl.store(source_ptr + slot, i.to(tl.int32), mask=returned)
+            dropped += tl.where(present & ~returned, count, 0).to(tl.int64)
+        tl.store(dropped_ptr, tl.sum(dropped, axis=0))
+
+    @triton.jit
+    def _send_rows_kernel(
+        x_ptr,
+        ids_ptr,
+        weights_ptr,
+        back_pos_ptr,
+        source_ptr,
+        send_ptr,
+        stride_x,
+        hidden,
+        width,
+        position_at,
+        ids_at,
+        top_k,
+        n_local,
+        world,
+        BLOCK_HIDDEN: tl.constexpr,
+        BLOCK_TAIL: tl.constexpr,
+    ):
+        """Send row ``program_id(0)``: the hidden state of the (token, rank) row its slot holds,
+        that token's router weights (float32 bits) and local ids of its experts on that rank, the
+        row's return position (int32 bits), zeros after; a slot no row holds gets zeros and ids
+        -1."""
+        s = tl.program_id(0)
+        i = tl.load(source_ptr + s)
+        real = i >= 0
+        token = tl.maximum(i, 0) // world
+        rank = tl.maximum(i, 0) % world
+        row = send_ptr + s.to(tl.int64) * width
+        source = x_ptr + token.to(tl.int64) * stride_x
+        for start in tl.range(0, hidden, BLOCK_HIDDEN):
+            cols = start + tl.arange(0, BLOCK_HIDDEN)
+            inside = cols < hidden
+            real_cols = cols * 0 + i >= 0  # a vector mask (a scalar one fails under the interpreter)
+            tl.store(row + cols, tl.load(source + cols, mask=inside & real_cols, other=0.0), mask=inside)
+        k = tl.arange(0, BLOCK_TAIL)  # at least top_k: the ids and the padding after them
+        in_k = k < top_k
+        real_k = in_k & (k * 0 + i >= 0)
+        ids = tl.load(ids_ptr + token.to(tl.int64) * top_k + k, mask=real_k, other=-1).to(tl.int32)
+        on = (ids >= 0) & (ids // n_local == rank)
+        weights = tl.load(weights_ptr + token.to(tl.int64) * top_k + k, mask=real_k, other=0.0)
+        tl.store((row + hidden).to(tl.pointer_type(tl.float32)) + k, tl.where(on, weights, 0.0), mask=in_k)
+        position = tl.where(real, tl.load(back_pos_ptr + tl.maximum(i, 0)), 0)
+        tl.store((row + position_at).to(tl.pointer_type(tl.int32)), position)
+        local = tl.where(on, ids % n_local, tl.where(in_k, -1, 0))
+        tl.store(row + ids_at + k, local.to(tl.float32).to(send_ptr.dtype.element_ty), mask=ids_at + k < width)
