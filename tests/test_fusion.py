@@ -40,12 +40,12 @@ def _inputs(tokens: int, seed: int):
 
 def _defined(fn, result):
     """The parts of a result that hold defined values (the padded buffer's spare rows are left
-    unwritten, and its trash row takes any of the dropped rows)."""
+    unwritten)."""
     result = result if isinstance(result, tuple) else (result,)
     if fn is pad_expert_rows:
         padded, slot, dropped = result
         rows = padded.flatten(0, 1)
-        return slot, dropped, rows[slot[slot < len(rows)]]
+        return slot, dropped, rows[slot[slot >= 0]]
     return result
 
 

@@ -41,14 +41,13 @@ def pad_expert_rows_kernel(
     x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
-    (row, expert) pair's slot there or ``num_experts * capacity`` for padding (an expert outside
+    (row, expert) pair's slot there or -1 for padding (an expert outside
     ``first`` .. ``first + num_experts - 1``) and past its expert's capacity, how many real pairs
     were dropped). Slots no pair takes are left unwritten, as in the torch path."""
     hidden = x.shape[1]
     num_rows = len(expert)
     per_row = num_rows // len(x) if len(x) else 1
-    trash = num_experts * capacity
-    padded = x.new_empty(trash, hidden)
+    padded = x.new_empty(num_experts * capacity, hidden)
     slot = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     dropped = torch.zeros((), dtype=torch.int64, device=x.device)
     if num_rows:
@@ -63,7 +62,6 @@ def pad_expert_rows_kernel(
             hidden,
             x.stride(0),
             capacity,
-            trash,
             first,
             first + num_experts,
             BLOCK_RANK=_BLOCK_RANK,
@@ -87,7 +85,6 @@ if triton is not None:
         hidden,
         stride_x,
         capacity,
-        trash,
         first,
         end,
         BLOCK_RANK: tl.constexpr,
@@ -107,12 +104,12 @@ if triton is not None:
             rank += tl.sum((others == given).to(tl.int32), axis=0)
         real = expert >= 0
         kept = real & (rank < capacity)
-        slot = tl.where(kept, expert * capacity + rank, trash)
+        slot = tl.where(kept, expert * capacity + rank, -1)
         tl.store(slot_ptr + row, slot)
         tl.atomic_add(dropped_ptr, 1, mask=real & (rank >= capacity))
         source = x_ptr + (row // per_row).to(tl.int64) * stride_x
         target = out_ptr + slot * hidden
         for start in tl.range(0, hidden, BLOCK_HIDDEN):
             cols = start + tl.arange(0, BLOCK_HIDDEN)
-            mask = (cols < hidden) & (cols * 0 + slot < trash)  # a vector mask, as in gather_sum
+            mask = (cols < hidden) & (cols * 0 + slot >= 0)  # a vector mask, as in gather_sum
             tl.store(target + cols, tl.load(source + cols, mask=mask), mask=mask)

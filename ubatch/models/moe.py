@@ -518,8 +518,7 @@ class MoEFFN(nn.Module):
         self.overflow_count += dropped
         gate_up = torch.bmm(padded, w13.transpose(1, 2))
         act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
-        out = torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1)
-        return out, torch.where(slot < n * capacity, slot, -1)
+        return torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1), slot
 
     @staticmethod
     def _experts_grouped(
@@ -608,11 +607,11 @@ def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | 
 def pad_expert_rows(
     x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows in [experts, capacity, hidden] blocks, each (row, expert) pair's slot there or the
-    trash slot past them, pairs dropped) for ``expert`` [rows * k], the experts of each row of
-    ``x`` in turn, of which ``first`` .. ``first + num_experts - 1`` are placed: a pair's slot is
-    its expert's block plus its rank among that expert's pairs (the dispatch's inner-dimension
-    scan). Padding (expert < 0) and other experts go to the trash slot."""
+    """(rows in [experts, capacity, hidden] blocks, each (row, expert) pair's slot there or -1,
+    pairs dropped) for ``expert`` [rows * k], the experts of each row of ``x`` in turn, of which
+    ``first`` .. ``first + num_experts - 1`` are placed: a pair's slot is its expert's block plus
+    its rank among that expert's pairs (the dispatch's inner-dimension scan). Padding (expert <
+    0), other experts and pairs past their expert's capacity get -1."""
     expert = torch.where((expert >= first) & (expert < first + num_experts), expert - first, -1)
     if len(x) and len(expert) != len(x):
         x = x.repeat_interleave(len(expert) // len(x), dim=0)
@@ -622,7 +621,8 @@ def pad_expert_rows(
     kept = (expert >= 0) & (rank < capacity)
     slot = torch.where(kept, expert * capacity + rank, trash)
     padded = x.new_empty(trash + 1, x.shape[1]).index_copy_(0, slot, x)[:trash]
-    return padded.view(num_experts, capacity, x.shape[1]), slot, ((expert >= 0) & ~kept).sum()
+    dropped = ((expert >= 0) & ~kept).sum()
+    return padded.view(num_experts, capacity, x.shape[1]), torch.where(kept, slot, -1), dropped
 
 
 class MoEDecoder(Decoder):
