@@ -105,7 +105,7 @@ def dispatch_plan_kernel(
         world,
         caps[0],
         CHUNKS=chunks,
-        KEYS=triton.next_power_of_2(keys),
+        KEYS=max(2, triton.next_power_of_2(keys)),
         BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_ROWS=_BLOCK_ROWS,
         BLOCK_FILL=_BLOCK_FILL,
@@ -196,14 +196,16 @@ if triton is not None:
                 last = tl.max(tl.where(on, group, -1), axis=1)
                 block = first * world + rank
                 back_key = last * world + rank + blocks
-            at_block = keys[None, :] == block[:, None]
-            at_back = keys[None, :] == back_key[:, None]
-            hit = present[:, None] & (at_block | at_back)
+            # keys by rows, scanned along the rows: the inner dimension (a scan along the outer one
+            # gave wrong positions on an H200 with a single key)
+            at_block = keys[:, None] == block[None, :]
+            at_back = keys[:, None] == back_key[None, :]
+            hit = present[None, :] & (at_block | at_back)
             hits = hit.to(tl.int32)
-            before = seen[None, :] + tl.cumsum(hits, axis=0) - hits  # earlier rows with each key
-            pos = tl.sum(tl.where(hit & at_block, before, 0), axis=1)
-            back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=1)
-            seen += tl.sum(hits, axis=0)
+            before = seen[:, None] + tl.cumsum(hits, axis=1) - hits  # earlier rows with each key
+            pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
+            back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=0)
+            seen += tl.sum(hits, axis=1)
             if CHUNKS == 1:
                 returned = present & (pos < cap)
                 slot = block * cap + pos
