@@ -201,7 +201,8 @@ def dispatch_plan(
     (``static_tables``).
 
     A row past its dispatch or its combine block's room is dropped, with every expert of its
-    token there; a position it held in the other block stays empty."""
+    token there; a position it held in the other block stays empty. A padding row's hidden state
+    is any finite row (no expert reads it): here a token's, in ``send_rows``' kernels zeros."""
     count, block, back_block = row_blocks(ids, n_local, chunks, world)
     pos, back_pos, _, _ = _positions(block, back_block, chunks, world)
     present = count > 0
