@@ -17,8 +17,9 @@ from ubatch.bench.workload import make_step
 from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.dispatch import dispatch_plan, static_tables
+from ubatch.models.expert_compute import pad_expert_rows, sort_by_expert
 from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
-from ubatch.models.moe import pad_expert_rows, route_top_k, sort_by_expert
+from ubatch.models.moe import route_top_k
 
 
 def _inputs(tokens: int, seed: int):

@@ -18,7 +18,7 @@ from tests.reference import forward_sequences
 from ubatch.bench.workload import make_step
 from ubatch.context import capture_scope, set_forward_context, static_collectives
 from ubatch.link import HostLink
-from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, moe
+from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, expert_compute
 from ubatch.models.dispatch import dispatch_row_width
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
@@ -220,21 +220,21 @@ def test_expert_groups_on_the_padded_gemm_equal_one_group_on_the_grouped_gemm(mo
     layer = MoEFFN(config, 0, device=torch.device("cpu"))
     x = torch.randn(300, config.hidden_size, generator=torch.Generator().manual_seed(3))
     paths = []
-    for name, wrap in (("_experts_padded", lambda f: f), ("_experts_grouped", staticmethod)):
-        real = getattr(MoEFFN, name)
-        spy = wrap(lambda *args, _real=real, _name=name: paths.append(_name) or _real(*args))
-        monkeypatch.setattr(MoEFFN, name, spy)
+    for name in ("padded_experts", "grouped_experts"):
+        real = getattr(expert_compute, name)
+        spy = lambda *args, _real=real, _name=name: paths.append(_name) or _real(*args)  # noqa: E731
+        monkeypatch.setattr(expert_compute, name, spy)
     with torch.no_grad():
         one = layer(x)  # one group of 4 experts: 256 rows per expert, above 128
         layer.expert_chunks = 2
         two = layer(x)
-    assert paths == ["_experts_grouped"] + ["_experts_padded"] * 2
+    assert paths == ["grouped_experts"] + ["padded_experts"] * 2
     assert int(layer.overflow_count) == 0
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
 def test_padded_expert_gemm_counts_the_rows_past_an_experts_capacity(monkeypatch):
-    monkeypatch.setattr(moe, "PADDED_ROWS_STEP", 1)
+    monkeypatch.setattr(expert_compute, "PADDED_ROWS_STEP", 1)
     config = ModelConfig.preset("tiny-moe", capacity_factor=1.0)
     layer = MoEFFN(config, 0, device=torch.device("cpu"))
     x = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -359,7 +359,7 @@ def test_expert_rows_kernel_interpreted():
     run_interpreted(
         """
 import torch
-from ubatch.models import expert_rows, moe
+from ubatch.models import expert_compute, expert_rows
 g = torch.Generator().manual_seed(0)
 drops = 0
 for dtype in (torch.float32, torch.bfloat16):
@@ -369,7 +369,7 @@ for dtype in (torch.float32, torch.bfloat16):
         for first in (0, 2):  # the experts of a group from ``first`` on; the others' ids are padding
             expert = torch.randint(-1, n + 2 * first, (num_rows * per_row,), generator=g)
             padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap, first)
-            ref_padded, ref_slot, ref_dropped = moe.pad_expert_rows(x, expert, n, cap, first)
+            ref_padded, ref_slot, ref_dropped = expert_compute.pad_expert_rows(x, expert, n, cap, first)
             assert torch.equal(slot, ref_slot) and int(dropped) == int(ref_dropped)
             kept = slot >= 0
             assert torch.equal(padded.flatten(0, 1)[slot[kept]], x.repeat_interleave(per_row, 0)[kept])
@@ -414,11 +414,11 @@ def test_expert_rows_kernel_places_rows_as_the_torch_path(dtype, expert_dtype, s
         x, expert = _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided, per_row)
         assert expert_rows.kernel_takes(x, expert)
         got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts, capacity)
-        _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts, capacity), x)
+        _same_placement(got, expert_compute.pad_expert_rows(x, expert.long(), num_experts, capacity), x)
         assert (int(got[2]) > 0) == (seed in (1, 2, 4))  # the 37-, 1500- and 2400-pair cases overflow
         # an expert group from 1 on: expert 0's pairs are padding like the -1s
         got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts - 1, capacity, 1)
-        _same_placement(got, moe.pad_expert_rows(x, expert.long(), num_experts - 1, capacity, 1), x)
+        _same_placement(got, expert_compute.pad_expert_rows(x, expert.long(), num_experts - 1, capacity, 1), x)
 
 
 @pytest.mark.cuda
@@ -440,13 +440,13 @@ def test_expert_rows_kernel_is_one_launch_and_replays_from_a_graph():
         expert.copy_(new_expert)
         graph.replay()
         torch.cuda.synchronize()
-        _same_placement(captured, moe.pad_expert_rows(x, expert, 4, 128), x)
+        _same_placement(captured, expert_compute.pad_expert_rows(x, expert, 4, 128), x)
 
 
 @pytest.mark.cuda
 def test_padded_expert_gemm_runs_the_expert_rows_kernel(monkeypatch):
     """The MoE layer takes the kernel on CUDA: the torch placement never runs."""
-    monkeypatch.setattr(moe, "pad_expert_rows", lambda *args: pytest.fail("the torch placement ran"))
+    monkeypatch.setattr(expert_compute, "pad_expert_rows", lambda *args: pytest.fail("the torch placement ran"))
     config = ModelConfig.preset("small-moe", capacity_factor=2.0)
     layer = MoEFFN(config, 0, device=torch.device("cuda"))
     x = torch.randn(64, config.hidden_size, device="cuda", dtype=config.dtype)

@@ -1,7 +1,7 @@
 """One Triton kernel that places each received row in its expert's block of the padded batched
 expert GEMM's input, on CUDA.
 
-Why: in plain torch ops (``moe.pad_expert_rows``) that takes about a dozen small kernels per
+Why: in plain torch ops (``expert_compute.pad_expert_rows``) that takes about a dozen small kernels per
 expert group and layer (a one-hot scan for each row's rank among its expert's rows, masks, an
 index copy); inside a CUDA graph each small kernel costs a few microseconds whatever its size, and
 expert pipelining pays them once per group. The kernel gives the same slots, rows and dropped
@@ -23,7 +23,7 @@ _EXPERT_DTYPES = (torch.int32, torch.int64)
 def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
     """Whether the kernel handles these inputs: CUDA with Triton, rows whose elements are dense
     (a column slice of a wider buffer qualifies), contiguous integer expert ids, the same number
-    for every row of ``x`` (``moe.pad_expert_rows``)."""
+    for every row of ``x`` (``expert_compute.pad_expert_rows``)."""
     return (
         triton_available(x.device)
         and x.dim() == 2
@@ -40,7 +40,7 @@ def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
 def pad_expert_rows_kernel(
     x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
+    """``expert_compute.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
     (row, expert) pair's slot there or -1 for padding (an expert outside
     ``first`` .. ``first + num_experts - 1``) and past its expert's capacity, how many real pairs
     were dropped). Slots no pair takes are left unwritten, as in the torch path."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from ubatch import comm, islands, scheduler
 from ubatch.context import in_static_collectives
-from ubatch.models import expert_rows, send_rows
+from ubatch.models import expert_compute, send_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
 from ubatch.models.dispatch import (
@@ -39,24 +39,9 @@ from ubatch.models.dispatch import (
     split_dispatch_rows,
     static_tables,
 )
-from ubatch.models.fusion import fused
 from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.return_places import place_returns
-from ubatch.models.swiglu import swiglu
-
-PADDED_ROWS_STEP = 64
-PADDED_MAX_ROWS = 128
-"""Up to this many rows per expert, a batched GEMM over every expert's rows padded to one
-capacity reads the weights at ~3.8-4.0 TB/s on an H200, where the grouped GEMM reaches 2.6-3.0
-(16-64 rows; scripts/bench_expert_gemm.py): at these sizes the GEMM is a weight read, and the
-padding rows ride along for free. Capacities are rounded up to ``PADDED_ROWS_STEP``."""
-PADDED_MAX_ROWS_PIPELINED = 256
-"""The same limit where the experts run in groups (``expert_chunks`` > 1): one grouped GEMM per
-group costs ~0.17 ms more per layer above 128 rows per expert, one batched GEMM per group only
-0.02-0.04 ms (scripts/probe_flag_gemm.py, 128-256 rows on an H200), so the padding pays up to
-256 rows there (the pipelined 256-token decode modes over 10 GB/s ran 8-20% faster:
-benchmarks/h200/padded_groups_ab)."""
 
 
 def _start_all_to_all(
@@ -115,18 +100,6 @@ class _Dispatched:
 
 
 _Layout = tuple[BlockTables | None, torch.Tensor | None]  # MoEFFN._static_layout's
-
-
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs here: CPU, or bf16 on a Hopper-or-newer GPU, with
-    every row 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if any(d * torch.finfo(dtype).bits // 8 % 16 for d in dims):
-        return False
-    if device.type == "cpu":
-        return True
-    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class MoEFFN(nn.Module):
@@ -209,7 +182,7 @@ class MoEFFN(nn.Module):
         self.join_ubatches = False
         self.local_first = False
         self.expert_capacity_factor: float | None = None
-        self.use_grouped_mm = grouped_mm_supported(device, config.dtype, hidden, inter)
+        self.use_grouped_mm = expert_compute.grouped_mm_supported(device, config.dtype, hidden, inter)
         self._layouts: dict[tuple[tuple[int, ...], torch.device], _Layout] = {}
 
     def capacity(self, num_tokens: int) -> list[int]:
@@ -465,86 +438,37 @@ class MoEFFN(nn.Module):
     def _experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: int, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What each row's weighted sum over its local experts (SwiGLU) of group ``group`` gathers,
-        for rows routed from ``num_tokens`` tokens per rank: (outputs, each row's rows among them
-        [rows, top_k] (-1: none), their weights or None). ``ids`` [rows, top_k] holds each row's
-        local expert ids, negative where none (padding rows have none); those of other groups are
-        skipped."""
+        """Expert group ``group`` over rows routed from ``num_tokens`` tokens per rank
+        (``expert_compute.group_outputs``), its dropped pairs counted."""
         size = self.num_local_experts // self.expert_chunks
         experts = slice(group * size, (group + 1) * size)
-        w13, w2 = self.w13[experts], self.w2[experts]
-        capacity = self.expert_capacity(num_tokens, ids.numel())
-        if capacity is not None:
-            out, position = self._experts_padded(x, ids.flatten(), w13, w2, capacity, group * size)
-            return out, position.view_as(ids), weights
-        ids = torch.where(ids // size == group, ids - group * size, -1)  # -1 // size is -1
-        if self.use_grouped_mm:
-            out, position = self._experts_grouped(x, ids, w13, w2)
-            return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
-        summed = self._experts_masked(x, ids, weights, w13, w2)
-        return summed, torch.arange(len(x), device=x.device)[:, None], None
+        src, index, weights, dropped = expert_compute.group_outputs(
+            x,
+            ids,
+            weights,
+            self.w13[experts],
+            self.w2[experts],
+            first=group * size,
+            capacity=self.expert_capacity(num_tokens, ids.numel()),
+            use_grouped_mm=self.use_grouped_mm,
+        )
+        if dropped is not None:
+            self.overflow_count += dropped
+        return src, index, weights
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
-        from ``num_tokens`` tokens per rank, or None where the grouped GEMM runs: without a
-        ``capacity_factor`` (no row may be dropped) or above ``PADDED_MAX_ROWS`` rows per expert
-        (``PADDED_MAX_ROWS_PIPELINED`` where the experts run in groups).
-        ``expert_capacity_factor`` (None: ``capacity_factor``) times a balanced expert's rows,
-        rounded up to ``PADDED_ROWS_STEP``; rows past it are dropped and counted like the
-        dispatch's. (One expert's rows vary more than a dispatch block of many experts, so a
-        measured factor for the experts is larger: ``ubatch.models.capacity``.)"""
+        from ``num_tokens`` tokens per rank (``expert_compute.padded_capacity``), or None where the
+        grouped GEMM runs, as always without a ``capacity_factor`` (no row may be dropped).
+        ``expert_capacity_factor`` (None: ``capacity_factor``) scales a balanced expert's rows;
+        rows past the capacity are dropped and counted like the dispatch's. (One expert's rows vary
+        more than a dispatch block of many experts, so a measured factor for the experts is
+        larger: ``ubatch.models.capacity``.)"""
         if self.capacity_factor is None:
             return None
         factor = self.capacity_factor if self.expert_capacity_factor is None else self.expert_capacity_factor
         balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
-        wanted = math.ceil(factor * balanced / PADDED_ROWS_STEP) * PADDED_ROWS_STEP
-        capacity = min(num_rows, max(PADDED_ROWS_STEP, wanted))
-        limit = PADDED_MAX_ROWS if self.expert_chunks == 1 else PADDED_MAX_ROWS_PIPELINED
-        return capacity if capacity <= limit else None
-
-    def _experts_padded(
-        self, x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int, first: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batched GEMM per projection over [experts, capacity] padded rows, for ``expert``
-        [rows * top_k], each row's local experts in turn, of which those from ``first`` on (as many
-        as ``w13`` holds) run here and the others count as padding: each (row, expert) pair's slot is its expert's
-        block plus its rank among that expert's pairs (one Triton kernel on CUDA, ``expert_rows``,
-        which reads each row where it lies; elsewhere a fast inner-dimension scan, as in the
-        dispatch). Returns the [experts * capacity, hidden] outputs and each pair's slot among
-        them (-1: dropped or padding)."""
-        n = w13.shape[0]
-        place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
-        padded, slot, dropped = place(x, expert, n, capacity, first)
-        self.overflow_count += dropped
-        gate_up = torch.bmm(padded, w13.transpose(1, 2))
-        act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
-        return torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1), slot
-
-    @staticmethod
-    def _experts_grouped(
-        x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every (row, column) of ``ids`` [rows, top_k] through its expert, the rows gathered
-        sorted by expert straight from ``x`` (never expanded first); returns the sorted outputs
-        and where among them each (row, column), flattened, landed (columns without an expert
-        land among rows that hold anything)."""
-        rows, order, offsets = sort_by_expert(x, ids, w13.shape[0])
-        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
-        # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
-        hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
-        sorted_out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
-        return sorted_out, torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-
-    @staticmethod
-    def _experts_masked(
-        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(w13.shape[0]):
-            gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-            weight = torch.where(ids == e, weights, 0).sum(dim=1, keepdim=True)
-            out += torch.where(weight != 0, F.linear(F.silu(gate) * up, w2[e]).float() * weight, 0)
-        return out
+        return expert_compute.padded_capacity(balanced, num_rows, factor, pipelined=self.expert_chunks > 1)
 
 
 def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -554,19 +478,6 @@ def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torc
     probs = F.linear(x.float(), router).softmax(dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), ids
-
-
-@fused
-def sort_by_expert(
-    x: torch.Tensor, ids: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(for every (row, column) of ``ids`` [rows, top_k], the row of ``x`` [rows, hidden], sorted
-    by expert with the columns that have none (ids < 0) last; the order that sorts them, among
-    rows * top_k; each expert's end offset among them as int32): what the grouped GEMM takes."""
-    key = torch.where(ids < 0, num_experts, ids).flatten()
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    return x[order // ids.shape[1]], order, counts[:num_experts].cumsum(0).to(torch.int32)
 
 
 def _consecutive(rows: list[int]) -> list[slice]:
@@ -601,28 +512,6 @@ def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | 
     experts' weighted sum at one destination; -1: none) and summed in float32, with the shared
     experts' output."""
     return gather_sum(back, slot, add=shared)
-
-
-@fused
-def pad_expert_rows(
-    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows in [experts, capacity, hidden] blocks, each (row, expert) pair's slot there or -1,
-    pairs dropped) for ``expert`` [rows * k], the experts of each row of ``x`` in turn, of which
-    ``first`` .. ``first + num_experts - 1`` are placed: a pair's slot is its expert's block plus
-    its rank among that expert's pairs (the dispatch's inner-dimension scan). Padding (expert <
-    0), other experts and pairs past their expert's capacity get -1."""
-    expert = torch.where((expert >= first) & (expert < first + num_experts), expert - first, -1)
-    if len(x) and len(expert) != len(x):
-        x = x.repeat_interleave(len(expert) // len(x), dim=0)
-    trash = num_experts * capacity
-    ids = torch.arange(num_experts, device=x.device)[:, None]
-    rank = (expert == ids).cumsum(1).gather(0, expert.clamp(min=0)[None])[0] - 1
-    kept = (expert >= 0) & (rank < capacity)
-    slot = torch.where(kept, expert * capacity + rank, trash)
-    padded = x.new_empty(trash + 1, x.shape[1]).index_copy_(0, slot, x)[:trash]
-    dropped = ((expert >= 0) & ~kept).sum()
-    return padded.view(num_experts, capacity, x.shape[1]), torch.where(kept, slot, -1), dropped
 
 
 class MoEDecoder(Decoder):
