@@ -24,12 +24,13 @@ from collections import defaultdict
 import torch
 
 from ubatch.attention.backends import get_backend
+from ubatch.bench.capacity import set_measured_capacity
 from ubatch.bench.gaps import step_gaps
 from ubatch.bench.graphs import GRAPH_MODES
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
 from ubatch.bench.modes import GraphedMode, mode_partition
-from ubatch.bench.options import int_list
-from ubatch.bench.workload import make_step
+from ubatch.bench.options import MeasuredCapacityArg, capacity_factor_arg, int_list
+from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.fusion import fused_glue
@@ -80,15 +81,19 @@ def families(kernels: list[Kernel]) -> dict[str, tuple[int, float]]:
     return {name: (int(n), ms) for name, (n, ms) in totals.items()}
 
 
+def step_at(model: object, tokens: int, args: argparse.Namespace) -> Step:
+    """The ``tokens``-token step of ``--workload``: decode requests of one token, or prompts."""
+    if args.workload == "decode":
+        return make_step(model, [1] * tokens, [args.context_len] * tokens)[0]
+    if tokens % args.prompt_len:
+        raise SystemExit(f"prefill tokens ({tokens}) must be a multiple of --prompt-len ({args.prompt_len})")
+    return make_step(model, [args.prompt_len] * (tokens // args.prompt_len))[0]
+
+
 def print_modes(model: object, tokens: int, args: argparse.Namespace, device: torch.device) -> None:
     """One line per mode of the ``tokens``-token step, then the unsplit step's costliest kernel
     families and each other mode's largest changes against them."""
-    if args.workload == "decode":
-        step, _ = make_step(model, [1] * tokens, [args.context_len] * tokens)
-    else:
-        if tokens % args.prompt_len:
-            raise SystemExit(f"prefill tokens ({tokens}) must be a multiple of --prompt-len ({args.prompt_len})")
-        step, _ = make_step(model, [args.prompt_len] * (tokens // args.prompt_len))
+    step = step_at(model, tokens, args)
     base: dict[str, tuple[int, float]] = {}
     partitions: dict[int, SMPartition] = {}
     for mode in args.modes:
@@ -134,7 +139,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--context-len", type=int, default=512, help="cached tokens per decode request")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--capacity-factor", type=float, default=2.0)
+    p.add_argument(
+        "--capacity-factor",
+        type=capacity_factor_arg,
+        default=2.0,
+        help="a factor, or measured[:MARGIN] from the modes' own routing (as ubatch-bench's)",
+    )
     p.add_argument("--modes", type=parse_modes, default=parse_modes("overlap,pipeline2,split2,split2+join"))
     p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto", help="as ubatch-bench's")
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
@@ -151,7 +161,9 @@ def main() -> None:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     device = torch.device("cuda")
-    config = ModelConfig.preset(args.preset, num_layers=args.layers, capacity_factor=args.capacity_factor)
+    measured = isinstance(args.capacity_factor, MeasuredCapacityArg)
+    factor = None if measured else args.capacity_factor
+    config = ModelConfig.preset(args.preset, num_layers=args.layers, capacity_factor=factor)
     link = args.link
     if link is not None:
         link.prepare(device)
@@ -162,6 +174,13 @@ def main() -> None:
         tp_group=link if config.kind == "dense" else None,
         attn_backend=get_backend(None if args.attention == "auto" else args.attention, device),
     )
+    if measured:
+        if config.kind != "moe":
+            raise SystemExit(f"--capacity-factor {args.capacity_factor} needs a MoE preset, got {args.preset}")
+        factors = set_measured_capacity(
+            model, args, lambda tokens: step_at(model, tokens, args), args.capacity_factor.margin
+        )
+        print(json.dumps({"capacity": factors}), flush=True)
     for tokens in args.tokens:
         print_modes(model, tokens, args, device)
 
