@@ -32,6 +32,8 @@ def render(report: dict) -> str:
     capacity = setup.get("capacity")
     if capacity:
         where += f"; capacity factors measured: {capacity['dispatch']} (dispatch), {capacity['expert']} (experts)"
+        for groups, factors in capacity.get("chunk_dispatch", {}).items():
+            where += f", {' / '.join(map(str, factors))} (dispatch chunks of {groups} expert groups)"
     picks = "\n".join(f"- {modes_policy_sentence(point)}" for point in report["auto"]["points"])
     return f"{where}\n\n{format_modes_table(report['results'], markdown=True)}\n\n{picks}"
 

@@ -2,15 +2,18 @@
 they give drop nothing on the runs they came from (and that less would), and the bench flag."""
 
 import json
+import math
 
 import pytest
 import torch
 
+from tests.dist_utils import run_distributed
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.modes import dropped_share, eager_call
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.capacity import RoutingFill, measure_capacity, routing_fill
+from ubatch.models.dispatch import balanced_chunk_rows
 from ubatch.models.moe import MoEFFN
 from ubatch.overlap import parse_modes
 
@@ -25,9 +28,36 @@ def test_routing_fill_is_the_fullest_block_and_expert_over_their_balanced_shares
     assert routing_fill(ids, num_experts=4, world=2, chunks=1).tolist() == pytest.approx([1.2, 1.5])
     # two expert groups of one expert per rank: a row goes in the dispatch chunk of its earliest
     # group (chunk 0's share 2 of 4 tokens, chunk 1's 4 / 3) and comes back in the combine chunk
-    # of its latest (the same shares reversed): rank 0's dispatch chunk 0 takes tokens 0-2 (3 of
-    # share 2), its combine chunk 0 tokens 1 and 2 (2 of share 4 / 3)
-    assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == [1.5, 1.5]
+    # of its latest (the same shares reversed). Dispatch chunk 0 (its size also serves combine
+    # chunk 1): rank 0 takes tokens 0-2 (3 of share 2), the combine chunk 1 rows of either rank
+    # fill it less. Dispatch chunk 1 (and combine chunk 0): rank 0 takes token 3 (1 of share 4 /
+    # 3), but its combine chunk 0, tokens 1 and 2, holds 2 of 4 / 3
+    assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == pytest.approx([1.5, 1.5, 1.5])
+    ids = torch.tensor([[0, 2], [0, 3], [0, 1], [0, 3]])  # rank 0's tokens 0, 1, 3 only in group 0
+    # dispatch chunk 0: rank 0 all 4 tokens (4 of share 2), rank 1 token 0; chunk 1: rank 1 tokens
+    # 1 and 3 (2 of 4 / 3); combine chunk 1 (latest group 1): rank 0 token 2, rank 1 tokens 1 and 3
+    # (2 of share 2); combine chunk 0: rank 0 tokens 0, 1, 3 (3 of 4 / 3), rank 1 token 0
+    assert routing_fill(ids, num_experts=4, world=2, chunks=2).tolist() == pytest.approx([2.0, 2.25, 2.0])
+
+
+def test_the_layer_takes_a_factor_per_dispatch_chunk_where_one_is_set():
+    config = ModelConfig.preset("tiny-deepseek", capacity_factor=1.2)
+    layer = MoEFFN(config, 0, device=torch.device("cpu"))
+    layer.chunk_capacity_factors = {2: (1.0, 2.0)}
+
+    def expected(factors):
+        shares = balanced_chunk_rows(400, config.num_experts, config.top_k, 1, len(factors))
+        return [min(400, math.ceil(f * share)) for f, share in zip(factors, shares)]
+
+    assert layer.capacity(400) == expected([1.2])
+    layer.expert_chunks = 2
+    assert layer.capacity(400) == expected([1.0, 2.0]) != expected([1.2, 1.2])
+    layer.expert_chunks = 4  # no factors for four groups: capacity_factor for every chunk
+    assert layer.capacity(400) == expected([1.2] * 4)
+    layer.chunk_capacity_factors = {2: (1.0,)}
+    layer.expert_chunks = 2
+    with pytest.raises(ValueError, match=r"chunk_capacity_factors\[2\] must hold 2 factors, got \(1.0,\)"):
+        layer.capacity(400)
 
 
 def test_the_padded_expert_gemm_takes_its_own_factor_where_one_is_set():
@@ -54,11 +84,20 @@ def test_measured_factors_drop_nothing_on_the_runs_they_came_from_and_less_would
     ), "measuring leaves the model's factors as they were"
     assert measured.dispatch >= measured.dispatch_fill > 0 and measured.expert >= measured.expert_fill > 1
     assert measured.dispatch - measured.dispatch_fill < 0.05 and measured.margin == 1.0
+    # the two-group modes' chunks have factors of their own, each from its own fill
+    assert list(measured.chunk_dispatch) == [2] and len(measured.chunk_dispatch[2]) == 2
+    assert all(f >= max(fill, 1.0) for f, fill in zip(measured.chunk_dispatch[2], measured.chunk_dispatch_fill[2]))
     measured.apply(model)
+    assert all(layer.chunk_capacity_factors == measured.chunk_dispatch for layer in model.moe_layers.values())
+    grouped = [eager_call(model, step, mode) for mode in MODES if mode.expert_chunks == 2]
     with torch.inference_mode():
         assert [dropped_share(model, run, step) for run in _mode_runs(model, step)] == [0.0] * len(MODES)
         for layer in model.moe_layers.values():
+            layer.chunk_capacity_factors = {2: tuple(0.7 * f for f in measured.chunk_dispatch_fill[2])}
+        assert sum(dropped_share(model, run, step) for run in grouped) > 0, "the chunk factors size the groups"
+        for layer in model.moe_layers.values():
             layer.capacity_factor = 0.7 * measured.dispatch_fill
+            layer.chunk_capacity_factors = measured.chunk_dispatch
         assert sum(dropped_share(model, run, step) for run in _mode_runs(model, step)) > 0
 
 
@@ -97,6 +136,7 @@ def test_bench_measures_the_capacity_over_every_mode_before_timing_them(tmp_path
     report = json.loads(out.read_text())
     capacity = report["setup"]["capacity"]
     assert capacity["margin"] == 1.1 and capacity["dispatch"] >= 1.1 * capacity["dispatch_fill"] - 1e-9
+    assert list(capacity["chunk_dispatch"]) == ["2"] and len(capacity["chunk_dispatch"]["2"]) == 2
     assert [r["dropped_fraction"] for r in report["results"]] == [0.0] * 8
     assert "capacity factors" in capsys.readouterr().out
 
@@ -113,3 +153,30 @@ def test_bench_refuses_a_measured_capacity_it_cannot_measure(argv, message, caps
     with pytest.raises(SystemExit) as exc:
         parse_args(["--device", "cpu", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def _fills_are_the_largest_over_ranks(rank, world):
+    """Each rank records its own routing; fills() returns, per expert-group count and chunk, the
+    largest fill of either rank, on both."""
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    layer = next(iter(model.moe_layers.values()))
+    recorder = RoutingFill(model)
+    g = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(24 + 40 * rank, layer.router.shape[1], generator=g) for _ in range(2)]
+    own = {}
+    with recorder, torch.no_grad():
+        for chunks, x in zip((1, 2), inputs):
+            layer.expert_chunks = chunks
+            layer(x)
+            own[chunks] = routing_fill(layer.route(x)[1], layer.num_local_experts, 1, chunks)
+    chunk_fills, expert_fill = recorder.fills()
+    both = [None, None]
+    torch.distributed.all_gather_object(both, {k: v.tolist() for k, v in own.items()})
+    for chunks in (1, 2):
+        largest = [max(a, b) for a, b in zip(both[0][chunks], both[1][chunks])]
+        assert chunk_fills[chunks] == pytest.approx(tuple(largest[:chunks]))
+    assert expert_fill == pytest.approx(max(fills[k][-1] for fills in both for k in (1, 2)))
+
+
+def test_fills_are_the_largest_over_the_ranks():
+    run_distributed(_fills_are_the_largest_over_ranks, 2)

@@ -403,6 +403,8 @@ def test_modes_table_renders_a_committed_report_as_results_shows_it():
     assert "capacity factors measured: 1.5 (dispatch), 2.2 (experts)" in text
     assert "- auto at 256 tokens picks pipeline2 (8.06 ms), the measured best" in text
     assert "KV pages" not in text, "a report from before the page size was recorded"
+    report["setup"]["capacity"]["chunk_dispatch"] = {"2": [1.35, 2.1]}  # as measured since per-chunk factors
+    assert "2.2 (experts), 1.35 / 2.1 (dispatch chunks of 2 expert groups)" in modes_table.render(report)
     paged = json.loads((ROOT / "benchmarks/h200/modes_moe_decode_nocomm_kv128.json").read_text())
     assert "; KV pages of 128 tokens" in modes_table.render(paged)
     split_report = json.loads((ROOT / "benchmarks/h200x2/dense_tp_prefill_graphs_nvlink_green.json").read_text())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ def dropped_fractions(
 
 def set_measured_capacity(
     model: Any, args: argparse.Namespace, step_at: Callable[[int], Step], margin: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Measure the routing fill of one eager run of every supported mode at every ``--tokens``
     size, and set every MoE layer's capacity factors from it (what the report's
     ``setup.capacity`` says)."""
@@ -73,4 +72,4 @@ def set_measured_capacity(
 
     measured = measure_capacity(model, runs(), margin=margin, group=dist.group.WORLD if dist.is_initialized() else None)
     measured.apply(model)
-    return {key: round(value, 4) for key, value in asdict(measured).items()}
+    return measured.report()

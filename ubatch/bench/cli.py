@@ -373,10 +373,14 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
             print(f"- {modes_policy_sentence(point)}")
         capacity = report.get("setup", {}).get("capacity")
         if capacity:
+            per_chunk = "".join(
+                f"; with {k} expert groups, per chunk {' / '.join(f'{f:g}' for f in factors)}"
+                for k, factors in capacity.get("chunk_dispatch", {}).items()
+            )
             print(
                 f"- capacity factors {capacity['dispatch']:g} (dispatch) and {capacity['expert']:g} (experts): "
                 f"the fullest block held {capacity['dispatch_fill']:g}x its balanced share and the fullest "
-                f"expert {capacity['expert_fill']:g}x, times a margin of {capacity['margin']:g}"
+                f"expert {capacity['expert_fill']:g}x, times a margin of {capacity['margin']:g}{per_chunk}"
             )
         return
     if args.quick:

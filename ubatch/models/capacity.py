@@ -19,13 +19,20 @@ A call's fill is two ratios, each a count over its balanced share, and each sets
 
 Both are local to a rank: no collective runs while measuring, inside ubatches or not; the result
 is the maximum over ranks.
+
+Block fills are kept per expert-group count K and per dispatch chunk, and each chunk gets its own
+factor: with top-8 of 64 experts a late group's chunk holds few rows whose count varies a lot
+against its share, and one factor for every chunk and every K let those few rows set the capacity
+of the unsplit step's single chunk too (deepseek-bench in run 11: 2.1 for every mode). Chunk c's
+factor covers its dispatch blocks and the combine chunk of the same size (K - 1 - c: the
+combine's chunks take the dispatch sizes in reverse order).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,51 +48,76 @@ ROUNDING = 0.05  # capacity factors are rounded up to a multiple of this
 
 
 def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -> torch.Tensor:
-    """(fullest block's fill, fullest expert's fill), each rows over its balanced share, as a
-    float64 tensor of 2 on ``ids``' device (no host sync; float64 so that a factor rounded up
-    from it never falls below it), for expert ids ``[tokens, top_k]`` routed on one rank."""
+    """([chunks + 1] float64 on ``ids``' device, no host sync; float64 so that a factor rounded up
+    from it never falls below it) for expert ids ``[tokens, top_k]`` routed on one rank: per
+    dispatch chunk c, the fullest of its blocks and of combine chunk ``chunks - 1 - c``'s (each
+    rows over its balanced share), then the fullest expert's fill."""
     tokens, top_k = ids.shape
     _, first, last = row_blocks(ids, num_experts // world, chunks, world)  # blocks; none past them
     blocks = chunks * world
     shares = torch.tensor(balanced_chunk_rows(tokens, num_experts, top_k, world, chunks), dtype=torch.float64)
-    fills = []
+    per_chunk = []
     for block, share in ((first, shares), (last, shares.flip(0))):
         rows = torch.bincount(block.flatten(), minlength=2 * blocks + 1)[:blocks].double()
         balanced = share.repeat_interleave(world).to(ids.device)
-        fills.append(torch.where(balanced > 0, rows / balanced, 0.0).max())
+        per_chunk.append(torch.where(balanced > 0, rows / balanced, 0.0).view(chunks, world).amax(dim=1))
+    dispatch, combine = per_chunk
     per_expert = torch.bincount(ids.flatten(), minlength=num_experts)
-    return torch.stack([torch.stack(fills).max(), per_expert.max().double() / (tokens * top_k / num_experts)])
+    expert = per_expert.max().double() / (tokens * top_k / num_experts)
+    return torch.cat([torch.maximum(dispatch, combine.flip(0)), expert[None]])
 
 
 @dataclass(frozen=True)
 class MeasuredCapacity:
-    """Capacity factors from measured fills: ``dispatch`` for the rows each rank sends each
-    destination (``MoEFFN.capacity_factor``), ``expert`` for the rows of one expert in the padded
-    expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a block of
-    many experts), each its fill times the margin, rounded up."""
+    """Capacity factors from measured fills, each its fill times the margin, rounded up:
+    ``dispatch`` for the rows each rank sends each destination with one expert group
+    (``MoEFFN.capacity_factor``), ``chunk_dispatch`` per dispatch chunk for each expert-group count
+    K > 1 that ran (``MoEFFN.chunk_capacity_factors``), ``expert`` for the rows of one expert in
+    the padded expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a
+    block of many experts). Where no one-group call ran, ``dispatch`` covers every chunk seen."""
 
     dispatch: float
     expert: float
     dispatch_fill: float
     expert_fill: float
     margin: float
+    chunk_dispatch: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    chunk_dispatch_fill: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def apply(self, model: Any) -> None:
         """Set every MoE layer of ``model`` to these factors."""
         for layer in model.moe_layers.values():
             layer.capacity_factor = self.dispatch
             layer.expert_capacity_factor = self.expert
+            layer.chunk_capacity_factors = dict(self.chunk_dispatch)
+
+    def report(self) -> dict[str, Any]:
+        """The factors and fills for a JSON report (chunk counts as string keys), rounded."""
+
+        def rounded(values: tuple[float, ...]) -> list[float]:
+            return [round(v, 4) for v in values]
+
+        return {
+            "dispatch": round(self.dispatch, 4),
+            "expert": round(self.expert, 4),
+            "dispatch_fill": round(self.dispatch_fill, 4),
+            "expert_fill": round(self.expert_fill, 4),
+            "margin": round(self.margin, 4),
+            "chunk_dispatch": {str(k): rounded(v) for k, v in self.chunk_dispatch.items()},
+            "chunk_dispatch_fill": {str(k): rounded(v) for k, v in self.chunk_dispatch_fill.items()},
+        }
 
 
 class RoutingFill:
     """While open, records the routing fill of every call of every MoE layer of ``model`` (a
-    forward pre-hook per layer that routes the layer's input again; measurement only)."""
+    forward pre-hook per layer that routes the layer's input again; measurement only), per
+    expert-group count."""
 
     def __init__(self, model: Any) -> None:
         self.layers = list(getattr(model, "moe_layers", {}).values())
         if not self.layers:
             raise ValueError("RoutingFill needs a MoE model (one with moe_layers); this one has none")
-        self._fills: list[torch.Tensor] = []
+        self._fills: dict[int, list[torch.Tensor]] = {}
         self._hooks: list[Any] = []
 
     def __enter__(self) -> RoutingFill:
@@ -104,20 +136,33 @@ class RoutingFill:
             return
         _, ids = layer.route(x)
         num_experts = layer.num_local_experts * layer.ep_world
-        self._fills.append(routing_fill(ids, num_experts, layer.ep_world, layer.expert_chunks))
+        chunks = layer.expert_chunks
+        self._fills.setdefault(chunks, []).append(routing_fill(ids, num_experts, layer.ep_world, chunks))
 
-    def fills(self, group: Any = None) -> tuple[float, float]:
-        """(block fill, expert fill): the largest recorded, over every rank of ``group`` when
-        distributed (every rank calls this alike); RuntimeError if no MoE layer ran."""
+    def fills(self, group: Any = None) -> tuple[dict[int, tuple[float, ...]], float]:
+        """(per expert-group count, the fullest block fill per dispatch chunk; the fullest
+        expert's fill): the largest recorded, over every rank of ``group`` when distributed (every
+        rank calls this alike, having run the same expert-group counts); RuntimeError if no MoE
+        layer ran."""
         if not self._fills:
             raise RuntimeError("RoutingFill recorded no MoE layer call: run the model inside the with block")
-        fill = torch.stack(self._fills).amax(dim=0).to(torch.float64)
+        counts = sorted(self._fills)
+        fill = torch.cat([torch.stack(self._fills[k]).amax(dim=0).to(torch.float64) for k in counts])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(fill, op=dist.ReduceOp.MAX, group=group)
-        return float(fill[0]), float(fill[1])
+        values = fill.tolist()
+        chunk_fills: dict[int, tuple[float, ...]] = {}
+        expert = 0.0
+        for k in counts:
+            chunk_fills[k], expert = tuple(values[:k]), max(expert, values[k])
+            values = values[k + 1 :]
+        return chunk_fills, expert
 
 
-def _rounded_up(value: float) -> float:
+def _factor(fill: float, margin: float) -> float:
+    """``fill`` times ``margin``, rounded up; a fill below the balanced share counts as the share
+    (a small chunk may have held no rows at all while measuring)."""
+    value = max(fill, 1.0) * margin
     return round(math.ceil(round(value / ROUNDING, 6)) * ROUNDING, 6)
 
 
@@ -129,21 +174,28 @@ def measure_capacity(
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
         raise ValueError(f"margin must be a number >= 1, got {margin!r}")
     recorder = RoutingFill(model)
-    saved = [(layer.capacity_factor, layer.expert_capacity_factor) for layer in recorder.layers]
+    saved = [
+        (layer.capacity_factor, layer.expert_capacity_factor, layer.chunk_capacity_factors) for layer in recorder.layers
+    ]
     try:
         for layer in recorder.layers:
             layer.capacity_factor = layer.expert_capacity_factor = None
+            layer.chunk_capacity_factors = {}
         with recorder, torch.inference_mode():
             for run in runs:
                 run()
     finally:
-        for layer, (dispatch, expert) in zip(recorder.layers, saved):
-            layer.capacity_factor, layer.expert_capacity_factor = dispatch, expert
-    dispatch_fill, expert_fill = recorder.fills(group)
+        for layer, (dispatch, expert, chunks) in zip(recorder.layers, saved):
+            layer.capacity_factor, layer.expert_capacity_factor, layer.chunk_capacity_factors = dispatch, expert, chunks
+    chunk_fills, expert_fill = recorder.fills(group)
+    one_group = chunk_fills.get(1) or (max(max(fills) for fills in chunk_fills.values()),)
+    grouped = {k: fills for k, fills in chunk_fills.items() if k > 1}
     return MeasuredCapacity(
-        dispatch=_rounded_up(dispatch_fill * margin),
-        expert=_rounded_up(expert_fill * margin),
-        dispatch_fill=dispatch_fill,
+        dispatch=_factor(one_group[0], margin),
+        expert=_factor(expert_fill, margin),
+        dispatch_fill=one_group[0],
         expert_fill=expert_fill,
         margin=margin,
+        chunk_dispatch={k: tuple(_factor(f, margin) for f in fills) for k, fills in grouped.items()},
+        chunk_dispatch_fill=grouped,
     )

@@ -182,6 +182,7 @@ class MoEFFN(nn.Module):
         self.join_ubatches = False
         self.local_first = False
         self.expert_capacity_factor: float | None = None
+        self.chunk_capacity_factors: dict[int, tuple[float, ...]] = {}
         self.use_grouped_mm = expert_compute.grouped_mm_supported(device, config.dtype, hidden, inter)
         self._layouts: dict[tuple[tuple[int, ...], torch.device], _Layout] = {}
 
@@ -189,13 +190,19 @@ class MoEFFN(nn.Module):
         """Rows each rank sends each destination rank per dispatch chunk for ``num_tokens``
         tokens (a chunk per expert group, by the earliest group of a token's experts there; the
         combine's chunks, by the latest, take the same sizes in reverse order): the worst case,
-        every token, or ``capacity_factor`` times what a uniform router sends there
-        (``dispatch.balanced_chunk_rows``), at least 1 and at most the worst case."""
+        every token, or a capacity factor times what a uniform router sends there
+        (``dispatch.balanced_chunk_rows``), at least 1 and at most the worst case. The factor is
+        ``capacity_factor``, or per chunk ``chunk_capacity_factors[expert_chunks]`` where set
+        (``capacity.MeasuredCapacity``)."""
+        chunks = self.expert_chunks
         if self.capacity_factor is None:
-            return [num_tokens] * self.expert_chunks
+            return [num_tokens] * chunks
+        factors = self.chunk_capacity_factors.get(chunks, (self.capacity_factor,) * chunks)
+        if len(factors) != chunks:
+            raise ValueError(f"{self.name}: chunk_capacity_factors[{chunks}] must hold {chunks} factors, got {factors}")
         experts = self.num_local_experts * self.ep_world
-        shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, self.expert_chunks)
-        return [max(1, min(num_tokens, math.ceil(self.capacity_factor * share))) for share in shares]
+        shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, chunks)
+        return [max(1, min(num_tokens, math.ceil(f * share))) for f, share in zip(factors, shares)]
 
     @property
     def expert_chunks(self) -> int:
