@@ -27,7 +27,6 @@ _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def kernel_takes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, chunks: int, world: int) -> bool:
     """Whether the kernels handle this plan: CUDA with Triton, dense rows, contiguous int64 ids and
     float32 weights of at most ``_MAX_TOP_K`` experts a token, at most ``_MAX_KEYS`` keys."""
-    keys = chunks * world * (1 if chunks == 1 else 2)
     return (
         triton_available(x.device)
         and x.dim() == 2
@@ -38,8 +37,14 @@ def kernel_takes(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, chun
         and weights.is_contiguous()
         and weights.dtype == torch.float32
         and ids.shape[1] <= _MAX_TOP_K
-        and keys <= _MAX_KEYS
+        and _scan_keys(chunks, world) <= _MAX_KEYS
     )
+
+
+def _scan_keys(chunks: int, world: int) -> int:
+    """Keys the plan's scan counts: a dispatch block per (chunk, rank), and with expert groups a
+    combine block per (chunk, rank) after them (with one group the two are the same block)."""
+    return chunks * world * (1 if chunks == 1 else 2)
 
 
 def static_plan(
@@ -86,7 +91,6 @@ def dispatch_plan_kernel(
         starts = sizes = back_starts = back_sizes = back_slot  # unread: one chunk has no tables
     else:
         starts, sizes, back_starts, back_sizes = tables
-    keys = chunks * world * (1 if chunks == 1 else 2)
     _plan_kernel[(1,)](
         ids,
         back_slot,
@@ -105,7 +109,7 @@ def dispatch_plan_kernel(
         world,
         caps[0],
         CHUNKS=chunks,
-        KEYS=max(2, triton.next_power_of_2(keys)),
+        KEYS=max(2, triton.next_power_of_2(_scan_keys(chunks, world))),
         BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_ROWS=_BLOCK_ROWS,
         BLOCK_FILL=_BLOCK_FILL,
