@@ -180,3 +180,18 @@ def _fills_are_the_largest_over_ranks(rank, world):
 
 def test_fills_are_the_largest_over_the_ranks():
     run_distributed(_fills_are_the_largest_over_ranks, 2)
+
+
+def _ranks_that_measured_different_group_counts(rank, world):
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    layer = next(iter(model.moe_layers.values()))
+    layer.expert_chunks = 1 + rank
+    recorder = RoutingFill(model)
+    with recorder, torch.no_grad():
+        layer(torch.randn(16, layer.router.shape[1]))
+    with pytest.raises(RuntimeError, match=r"ranks measured different expert-group counts: \[\[1\], \[2\]\]"):
+        recorder.fills()
+
+
+def test_ranks_that_measured_different_group_counts_get_an_error_not_a_hang():
+    run_distributed(_ranks_that_measured_different_group_counts, 2)

@@ -142,13 +142,17 @@ class RoutingFill:
     def fills(self, group: Any = None) -> tuple[dict[int, tuple[float, ...]], float]:
         """(per expert-group count, the fullest block fill per dispatch chunk; the fullest
         expert's fill): the largest recorded, over every rank of ``group`` when distributed (every
-        rank calls this alike, having run the same expert-group counts); RuntimeError if no MoE
-        layer ran."""
+        rank calls this alike); RuntimeError if no MoE layer ran, or if the ranks ran different
+        expert-group counts."""
         if not self._fills:
             raise RuntimeError("RoutingFill recorded no MoE layer call: run the model inside the with block")
         counts = sorted(self._fills)
         fill = torch.cat([torch.stack(self._fills[k]).amax(dim=0).to(torch.float64) for k in counts])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, counts, group=group)  # fills of other lengths would hang the max
+            if any(other != counts for other in every):
+                raise RuntimeError(f"ranks measured different expert-group counts: {every}; run the same modes on each")
             dist.all_reduce(fill, op=dist.ReduceOp.MAX, group=group)
         values = fill.tolist()
         chunk_fills: dict[int, tuple[float, ...]] = {}
