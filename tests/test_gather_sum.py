@@ -25,7 +25,9 @@ def reference(src, index, weight=None, add=None):
         for j, source in enumerate(row):
             if source >= 0:
                 out[i] += src[source].double() * (1.0 if weight is None else float(weight[i, j]))
-    return out if add is None else out + add.double()
+    if add is not None:
+        out[: len(add)] += add.double()
+    return out
 
 
 def _case(rows, k, n, hidden, dtype, seed):
@@ -47,11 +49,13 @@ def _case(rows, k, n, hidden, dtype, seed):
     dtype=st.sampled_from(list(ROUNDING)),
     weighted=st.booleans(),
     added=st.booleans(),
+    added_rows=st.integers(0, 9),
     seed=st.integers(0, 2**16),
 )
-def test_torch_path_matches_the_reference(rows, k, n, hidden, dtype, weighted, added, seed):
+def test_torch_path_matches_the_reference(rows, k, n, hidden, dtype, weighted, added, added_rows, seed):
+    """With ``add`` of every row, or of the first ``added_rows`` only (the rest add 0)."""
     src, index, weight, add = _case(rows, k, n, hidden, dtype, seed)
-    weight, add = (weight if weighted else None), (add if added else None)
+    weight, add = (weight if weighted else None), (add[: min(rows, added_rows)] if added else None)
     got = gather_sum(src, index, weight, add)
     assert got.dtype == dtype and got.shape == (rows, hidden)
     expected = reference(src, index, weight, add)
@@ -96,6 +100,18 @@ def test_out_may_be_the_add_to_accumulate_in_float32():
     torch.testing.assert_close(acc.double(), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_rows_past_the_add_start_from_zero_whatever_out_held():
+    """A later expert group's sum over rows of which only the first ones hold earlier groups'
+    sums: the new rows need no zeros first."""
+    src, index, weight, _ = _case(6, 3, 10, 24, torch.float32, 3)
+    acc = torch.full((6, 24), float("nan"))
+    acc[:2] = 1.0
+    gather_sum(src, index, weight, add=acc[:2], out=acc)
+    expected = reference(src, index, weight)
+    expected[:2] += 1.0
+    torch.testing.assert_close(acc.double(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_triton_kernel_interpreted():
     """The kernel under Triton's CPU interpreter against the torch path: every dtype, weighted or
     not, with and without ``add``, a strided source and weight, a hidden size past one block."""
@@ -114,7 +130,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         add = torch.randn(rows, hidden).to(dtype)
         for src in (wide[:, :hidden].contiguous(), wide[:, 3 : 3 + hidden]):
             for w in (None, weight, strided_weight):
-                for a in (None, add):
+                for a in (None, add, add[: rows // 2]):
                     got = torch.empty(rows, hidden, dtype=dtype)
                     m._gather_sum_triton(src, index, w, a, got)
                     want = m._gather_sum_torch(src, index, w, a).to(dtype)
@@ -123,6 +139,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         acc = torch.randn(rows, hidden)
         want = m._gather_sum_torch(src, index, weight, acc)
         m._gather_sum_triton(src, index, weight, acc, acc)
+        torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
+        # the first rows accumulated in place, the rest new whatever they held
+        want = m._gather_sum_torch(src, index, weight, acc[: rows // 2])
+        acc[rows // 2 :] = float("nan")
+        m._gather_sum_triton(src, index, weight, acc[: rows // 2], acc)
         torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
 print("interpreted kernel ok")
 """
@@ -145,6 +166,10 @@ def test_cuda_kernel_matches_the_torch_path_and_replays_from_a_graph(dtype):
     acc = add.float()
     want = _gather_sum_torch(src, index, weight, acc)
     gather_sum(src, index, weight, add=acc, out=acc)  # in place, in float32
+    torch.testing.assert_close(acc, want, rtol=2e-6, atol=1e-5)
+    want = _gather_sum_torch(src, index, weight, acc[:100])
+    acc[100:] = float("nan")
+    gather_sum(src, index, weight, add=acc[:100], out=acc)  # rows past the add start from zero
     torch.testing.assert_close(acc, want, rtol=2e-6, atol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

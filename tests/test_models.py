@@ -374,6 +374,9 @@ for dtype in (torch.float32, torch.bfloat16):
             kept = slot >= 0
             assert torch.equal(padded.flatten(0, 1)[slot[kept]], x.repeat_interleave(per_row, 0)[kept])
             drops += int(dropped)
+            counter = torch.full((), 3, dtype=torch.int64)  # a running total counts the drops in place
+            counted = expert_rows.pad_expert_rows_kernel(x, expert, n, cap, first, counter=counter)[2]
+            assert counted is counter and int(counter) == 3 + int(ref_dropped)
 assert drops > 0
 print("interpreted kernel ok")
 """,
@@ -419,6 +422,9 @@ def test_expert_rows_kernel_places_rows_as_the_torch_path(dtype, expert_dtype, s
         # an expert group from 1 on: expert 0's pairs are padding like the -1s
         got = expert_rows.pad_expert_rows_kernel(x, expert, num_experts - 1, capacity, 1)
         _same_placement(got, expert_compute.pad_expert_rows(x, expert.long(), num_experts - 1, capacity, 1), x)
+        counter = torch.full((), 3, dtype=torch.int64, device="cuda")
+        expert_rows.pad_expert_rows_kernel(x, expert, num_experts - 1, capacity, 1, counter=counter)
+        assert int(counter) == 3 + int(got[2])
 
 
 @pytest.mark.cuda

@@ -44,6 +44,10 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
     want_send[padding, :hidden] = 0
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got_send.view(bits), want_send.view(bits)), (tokens, chunks, caps)
+    for plan in (send_rows.dispatch_plan_kernel, send_rows.static_plan):  # counting into a running total
+        counter = torch.full((), 5, dtype=torch.int64, device=device)
+        counted = plan(*args, counter=counter)[1]
+        assert counted is counter and int(counter) == 5 + int(want_dropped), (plan.__name__, int(counter))
     return int(want_dropped)
 """
 

@@ -38,18 +38,25 @@ def kernel_takes(x: torch.Tensor, expert: torch.Tensor) -> bool:
 
 
 def pad_expert_rows_kernel(
-    x: torch.Tensor, expert: torch.Tensor, num_experts: int, capacity: int, first: int = 0
+    x: torch.Tensor,
+    expert: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    first: int = 0,
+    *,
+    counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``expert_compute.pad_expert_rows`` in one launch: (rows in [experts, capacity, hidden] blocks, each
     (row, expert) pair's slot there or -1 for padding (an expert outside
     ``first`` .. ``first + num_experts - 1``) and past its expert's capacity, how many real pairs
-    were dropped). Slots no pair takes are left unwritten, as in the torch path."""
+    were dropped: added atomically to ``counter``, an int64 device scalar, and returned as it,
+    where one is given). Slots no pair takes are left unwritten, as in the torch path."""
     hidden = x.shape[1]
     num_rows = len(expert)
     per_row = num_rows // len(x) if len(x) else 1
     padded = x.new_empty(num_experts * capacity, hidden)
     slot = torch.empty(num_rows, dtype=torch.int64, device=x.device)
-    dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+    dropped = torch.zeros((), dtype=torch.int64, device=x.device) if counter is None else counter
     if num_rows:
         _pad_rows[(num_rows,)](
             x,

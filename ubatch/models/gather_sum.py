@@ -30,8 +30,9 @@ def gather_sum(
     ``index[i, j] >= 0``, accumulated in float32 in column order: [rows, hidden] from ``src``
     [n, hidden], ``index`` [rows, k] (int64; negative: nothing to add, and ``src`` is not read
     there), ``weight`` [rows, k] float32 (None: 1; its rows may be strided, as the weight columns of
-    dispatch rows are) and ``add`` [rows, hidden] (None: 0). Written
-    to ``out`` (contiguous [rows, hidden], any float dtype; it may be ``add`` itself, to
+    dispatch rows are) and ``add`` [rows', hidden] with rows' <= rows (None: 0; the rows past it
+    add 0, so a sum whose later rows are new needs no zeros first). Written
+    to ``out`` (contiguous [rows, hidden], any float dtype; ``add`` may be its first rows, to
     accumulate in place) or returned in ``src``'s dtype."""
     _check(src, index, weight, add, out)
     if out is None:
@@ -61,8 +62,8 @@ def _check(
             f"gather_sum's weight must be float32 of the index's shape {tuple(index.shape)}, got "
             f"{weight.dtype} {tuple(weight.shape)}"
         )
-    if add is not None and add.shape != (index.shape[0], src.shape[1]):
-        raise ValueError(f"gather_sum's add must be [{index.shape[0]}, {src.shape[1]}], got {tuple(add.shape)}")
+    if add is not None and (add.dim() != 2 or add.shape[0] > index.shape[0] or add.shape[1] != src.shape[1]):
+        raise ValueError(f"gather_sum's add must be [at most {index.shape[0]}, {src.shape[1]}], got {tuple(add.shape)}")
     if out is not None and (out.shape != (index.shape[0], src.shape[1]) or not out.is_contiguous()):
         raise ValueError(
             f"gather_sum's out must be contiguous [{index.shape[0]}, {src.shape[1]}], got {tuple(out.shape)}"
@@ -79,7 +80,7 @@ def _gather_sum_torch(
         rows = rows * torch.where(valid, weight, 0.0)[..., None]
     out = rows.sum(dim=1)
     if add is not None:
-        out = out + add.float()
+        out[: len(add)] += add.float()
     return out
 
 
@@ -103,6 +104,7 @@ def _gather_sum_triton(
         hidden,
         src.stride(0),
         0 if weight is None else weight.stride(0),
+        0 if add is None else len(add),
         K=k,
         HAS_WEIGHT=weight is not None,
         HAS_ADD=add is not None,
@@ -123,19 +125,22 @@ if triton is not None:
         hidden,
         stride_src,
         stride_weight,
+        add_rows,
         K: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         HAS_ADD: tl.constexpr,
         BLOCK_HIDDEN: tl.constexpr,
     ):
         """Output row ``program_id(0)``, columns block ``program_id(1)``: rows with a negative
-        index are neither read nor added (their weight may be anything). A program reads its
-        block of ``add`` before it writes the same block of ``out``, so the two may alias."""
+        index are neither read nor added (their weight may be anything), nor is ``add`` from row
+        ``add_rows`` on. A program reads its block of ``add`` before it writes the same block of
+        ``out``, so the two may alias."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_HIDDEN + tl.arange(0, BLOCK_HIDDEN)
         in_row = cols < hidden
         if HAS_ADD:
-            acc = tl.load(add_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            added = in_row & (cols * 0 + row < add_rows)  # a vector mask, as below
+            acc = tl.load(add_ptr + row * hidden + cols, mask=added, other=0.0).to(tl.float32)
         else:
             acc = tl.zeros([BLOCK_HIDDEN], dtype=tl.float32)
         for j in tl.static_range(K):

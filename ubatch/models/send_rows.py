@@ -56,10 +56,16 @@ def static_plan(
     world: int,
     caps: tuple[int, ...],
     tables: BlockTables | None = None,
+    *,
+    counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch."""
-    take = kernel_takes(x, ids, weights, chunks, world)
-    return (dispatch_plan_kernel if take else dispatch_plan)(x, ids, weights, n_local, chunks, world, caps, tables)
+    """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch. The
+    dropped count is added to ``counter`` (an int64 device scalar, then returned in its place)
+    where one is given."""
+    if kernel_takes(x, ids, weights, chunks, world):
+        return dispatch_plan_kernel(x, ids, weights, n_local, chunks, world, caps, tables, counter=counter)
+    back_slot, dropped, send = dispatch_plan(x, ids, weights, n_local, chunks, world, caps, tables)
+    return back_slot, dropped if counter is None else counter.add_(dropped), send
 
 
 def dispatch_plan_kernel(
@@ -71,9 +77,13 @@ def dispatch_plan_kernel(
     world: int,
     caps: tuple[int, ...],
     tables: BlockTables | None = None,
+    *,
+    counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dispatch.dispatch_plan`` in two launches, with the same slots, dropped count and rows,
-    except that a padding row's hidden state is zeros (no expert reads it)."""
+    except that a padding row's hidden state is zeros (no expert reads it). With a ``counter`` the
+    plan adds the dropped count to it atomically, with no launch of its own (ubatches on other
+    streams may count into the same one), and returns it as the count."""
     num_tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_slots = world * sum(caps)
@@ -82,11 +92,11 @@ def dispatch_plan_kernel(
     back_slot = torch.empty(num_tokens, world, dtype=torch.int64, device=x.device)
     back_pos = torch.empty(num_tokens * world, dtype=torch.int32, device=x.device)
     source = torch.empty(num_slots, dtype=torch.int32, device=x.device)
-    dropped = torch.empty((), dtype=torch.int64, device=x.device)
+    dropped = torch.zeros((), dtype=torch.int64, device=x.device) if counter is None else counter
     send = x.new_empty(num_slots, width)
     if num_tokens == 0:  # every slot a padding row; the kernels would read from empty tensors
         send.zero_()[:, ids_at : ids_at + top_k] = -1
-        return back_slot, dropped.zero_(), send
+        return back_slot, dropped, send
     if chunks == 1:
         starts = sizes = back_starts = back_sizes = back_slot  # unread: one chunk has no tables
     else:
@@ -225,7 +235,7 @@ if triton is not None:
             tl.store(back_pos_ptr + i, back_pos.to(tl.int32), mask=live)
             tl.store(source_ptr + slot, i.to(tl.int32), mask=returned)
             dropped += tl.where(present & ~returned, count, 0).to(tl.int64)
-        tl.store(dropped_ptr, tl.sum(dropped, axis=0))
+        tl.atomic_add(dropped_ptr, tl.sum(dropped, axis=0))
 
     @triton.jit
     def _send_rows_kernel(
