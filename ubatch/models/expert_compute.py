@@ -67,40 +67,52 @@ def group_outputs(
     first: int,
     capacity: int | None,
     use_grouped_mm: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    dropped: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What each row's weighted sum over the experts ``first`` .. ``first + len(w13) - 1`` gathers:
-    (outputs, each row's rows among them [rows, top_k] (-1: none), their weights or None, the
-    (row, expert) pairs dropped past ``capacity`` or None). ``ids`` [rows, top_k] holds each row's
-    local expert ids, negative where none (padding rows have none); other experts are skipped.
-    With a ``capacity`` the padded GEMM runs, else the grouped GEMM or the masked loop."""
+    (outputs, each row's rows among them [rows, top_k] (-1: none), their weights or None).
+    ``ids`` [rows, top_k] holds each row's local expert ids, negative where none (padding rows
+    have none); other experts are skipped. With a ``capacity`` the padded GEMM runs, the (row,
+    expert) pairs past it added to ``dropped`` (an int64 device scalar), else the grouped GEMM or
+    the masked loop."""
     size = w13.shape[0]
     if capacity is not None:
-        out, slot, dropped = padded_experts(x, ids.flatten(), w13, w2, capacity, first)
-        return out, slot.view_as(ids), weights, dropped
+        out, slot = padded_experts(x, ids.flatten(), w13, w2, capacity, first, dropped)
+        return out, slot.view_as(ids), weights
     ids = torch.where((ids >= first) & (ids < first + size), ids - first, -1)
     if use_grouped_mm:
         out, position = grouped_experts(x, ids, w13, w2)
-        return out, torch.where(ids >= 0, position.view_as(ids), -1), weights, None
+        return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
     summed = masked_experts(x, ids, weights, w13, w2)
-    return summed, torch.arange(len(x), device=x.device)[:, None], None, None
+    return summed, torch.arange(len(x), device=x.device)[:, None], None
 
 
 def padded_experts(
-    x: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, capacity: int, first: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    capacity: int,
+    first: int,
+    dropped: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One batched GEMM per projection over [experts, capacity] padded rows, for ``expert``
     [rows * top_k], each row's local experts in turn, of which those from ``first`` on (as many
     as ``w13`` holds) run here and the others count as padding: each (row, expert) pair's slot is
     its expert's block plus its rank among that expert's pairs (one Triton kernel on CUDA,
-    ``expert_rows``, which reads each row where it lies; elsewhere a fast inner-dimension scan, as
-    in the dispatch). Returns the [experts * capacity, hidden] outputs, each pair's slot among
-    them (-1: dropped or padding) and the pairs dropped."""
+    ``expert_rows``, which reads each row where it lies and counts the pairs past their expert's
+    capacity into ``dropped`` itself; elsewhere a fast inner-dimension scan, as in the dispatch).
+    Returns the [experts * capacity, hidden] outputs and each pair's slot among them (-1: dropped
+    or padding)."""
     n = w13.shape[0]
-    place = expert_rows.pad_expert_rows_kernel if expert_rows.kernel_takes(x, expert) else pad_expert_rows
-    padded, slot, dropped = place(x, expert, n, capacity, first)
+    if expert_rows.kernel_takes(x, expert):
+        padded, slot, _ = expert_rows.pad_expert_rows_kernel(x, expert, n, capacity, first, counter=dropped)
+    else:
+        padded, slot, past = pad_expert_rows(x, expert, n, capacity, first)
+        dropped += past
     gate_up = torch.bmm(padded, w13.transpose(1, 2))
     act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
-    return torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1), slot, dropped
+    return torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1), slot
 
 
 def grouped_experts(

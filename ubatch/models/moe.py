@@ -259,15 +259,12 @@ class MoEFFN(nn.Module):
         chunks, world = self.expert_chunks, self.ep_world
         caps = self.capacity(num_tokens)
         tables, row_block = self._static_layout(caps, x.device)
-        back_slot, dropped, send = send_rows.static_plan(
-            x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables
+        back_slot, _, send = send_rows.static_plan(
+            x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables, counter=self.overflow_count
         )
-        if min(caps) < num_tokens:
-            self.overflow_count += dropped
-        recv = torch.empty_like(send)
         recv_chunks = _consecutive([world * cap for cap in caps])
         back_chunks = _consecutive([world * cap for cap in reversed(caps)])
-        dispatches = [_start_all_to_all(recv[rows], send[rows], self.ep_group) for rows in recv_chunks]
+        recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
             num_tokens=num_tokens,
@@ -283,6 +280,24 @@ class MoEFFN(nn.Module):
             own_sent=own,
             own_received=own,
         )
+
+    def _start_dispatches(
+        self,
+        send: torch.Tensor,
+        send_chunks: list[slice],
+        recv_chunks: list[slice],
+        splits: list[tuple[list[int], list[int]]] | None,
+    ) -> tuple[torch.Tensor, list[comm.CollectiveHandle | None]]:
+        """The receive buffer and each chunk's all-to-all, started. One rank receives what it
+        sends: the send buffer itself, with nothing to start or wait for."""
+        if self.ep_world == 1:
+            return send, [None] * len(recv_chunks)
+        recv = send.new_empty(recv_chunks[-1].stop, send.shape[1])
+        dispatches = [
+            _start_all_to_all(recv[r], send[b], self.ep_group, None if splits is None else splits[c])
+            for c, (r, b) in enumerate(zip(recv_chunks, send_chunks))
+        ]
+        return recv, dispatches
 
     def _static_layout(self, caps: list[int], device: torch.device) -> _Layout:
         """With expert groups, the block tables of dispatch chunks of ``caps`` rows per rank
@@ -325,12 +340,8 @@ class MoEFFN(nn.Module):
         comb_rows = [[host[world + s][k + c] for s in range(world)] for c in range(k)]
         send_chunks = _consecutive([sum(rows) for rows in sent_rows])
         recv_chunks = _consecutive([sum(rows) for rows in received_rows])
-        recv = send.new_empty(recv_chunks[-1].stop, send.shape[1])
         splits = list(zip(received_rows, sent_rows))
-        dispatches = [
-            _start_all_to_all(recv[r], send[b], self.ep_group, split)
-            for r, b, split in zip(recv_chunks, send_chunks, splits)
-        ]
+        recv, dispatches = self._start_dispatches(send, send_chunks, recv_chunks, splits)
         row_block = comb_starts = None
         if k > 1:  # where a landed row goes in the combine (_combine_chunk)
             blocks = received[:, :k].t().flatten()  # rows per received (chunk, source) block
@@ -365,11 +376,12 @@ class MoEFFN(nn.Module):
         send buffer, while the group's dispatch is still in flight."""
         chunks = self.expert_chunks
         hidden = self.w2.shape[1]
+        one_rank = self.ep_world == 1  # the combine's rows are its input: written in place
         for part in parts:
             if chunks == 1:
-                part.out = part.recv.new_empty(len(part.recv), hidden)
-            else:
-                part.out = torch.zeros(len(part.recv), hidden, dtype=torch.float32, device=part.recv.device)
+                part.out = part.back if one_rank else part.recv.new_empty(len(part.recv), hidden)
+            else:  # no zeros: a row's first group writes its sum (_run_rows)
+                part.out = torch.empty(len(part.recv), hidden, dtype=torch.float32, device=part.recv.device)
                 part.comb_source = torch.full((part.comb_chunks[-1].stop + 1,), -1, device=part.recv.device)
         combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
         num_tokens = sum(part.num_tokens for part in parts)
@@ -379,19 +391,26 @@ class MoEFFN(nn.Module):
             else:
                 for part in parts:
                     _wait(part.dispatches[g])
-                landed = [part.recv_chunks[g].stop for part in parts]
-                self._run_rows([(part.recv[:n], part.out[:n]) for part, n in zip(parts, landed)], g, num_tokens)
+                pieces = []
+                for part in parts:
+                    rows = part.recv_chunks[g]  # the chunks before it hold earlier groups' sums
+                    pieces.append((part.recv[: rows.stop], part.out[: rows.stop], rows.start))
+                self._run_rows(pieces, g, num_tokens)
             for part, handles in zip(parts, combines):
+                if one_rank:
+                    if chunks > 1:
+                        self._combine_chunk(part, g, part.back[part.back_chunks[g]])
+                    continue
                 rows = part.out if chunks == 1 else self._combine_chunk(part, g)
                 part.combine_inputs.append(rows)
                 splits = None if part.comb_splits is None else part.comb_splits[g]
                 handles.append(_start_all_to_all(part.back[part.back_chunks[g]], rows, self.ep_group, splits))
         return combines
 
-    def _combine_chunk(self, part: _Dispatched, chunk: int) -> torch.Tensor:
+    def _combine_chunk(self, part: _Dispatched, chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows of combine chunk ``chunk`` (those whose latest expert group it is), in the
-        rows' dtype, once the rows of dispatch chunk ``chunk``, the last to land, have their place
-        in the combine (``return_places``)."""
+        rows' dtype (written to ``out`` where given), once the rows of dispatch chunk ``chunk``, the
+        last to land, have their place in the combine (``return_places``)."""
         rows = part.recv_chunks[chunk]
         place_returns(
             part.recv[rows],
@@ -405,7 +424,9 @@ class MoEFFN(nn.Module):
             part.comb_source,
         )
         source = part.comb_source[part.comb_chunks[chunk]]
-        return gather_sum(part.out, source[:, None], out=part.recv.new_empty(len(source), part.out.shape[1]))
+        if out is None:
+            out = part.recv.new_empty(len(source), part.out.shape[1])
+        return gather_sum(part.out, source[:, None], out=out)
 
     def _local_first_group(self, parts: list[_Dispatched], g: int, num_tokens: int) -> None:
         """Group ``g`` with the own rows of chunk ``g`` (from the send buffer) and the rows of the
@@ -414,32 +435,31 @@ class MoEFFN(nn.Module):
         first = []
         for part in parts:
             landed, own = part.recv_chunks[g].start, part.own_received[g]
-            first += [(part.recv[:landed], part.out[:landed]), (part.send[part.own_sent[g]], part.out[own])]
+            first += [(part.recv[:landed], part.out[:landed], landed), (part.send[part.own_sent[g]], part.out[own], 0)]
         self._run_rows(first, g, num_tokens)
         peers = []
         for part in parts:
             _wait(part.dispatches[g])
             rows, own = part.recv_chunks[g], part.own_received[g]
             for piece in (slice(rows.start, own.start), slice(own.stop, rows.stop)):
-                peers.append((part.recv[piece], part.out[piece]))
+                peers.append((part.recv[piece], part.out[piece], 0))
         self._run_rows(peers, g, num_tokens)
 
-    def _run_rows(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], g: int, num_tokens: int) -> None:
-        """Expert group ``g`` over the dispatch rows of every (rows, out) piece in one call: each
-        row through each of its experts of the group, weighted and summed into its row of ``out``
-        (added to what earlier groups left there where the experts run in groups)."""
-        pieces = [(rows, out) for rows, out in pieces if len(rows)]
+    def _run_rows(self, pieces: list[tuple[torch.Tensor, torch.Tensor, int]], g: int, num_tokens: int) -> None:
+        """Expert group ``g`` over the dispatch rows of every (rows, out, written) piece in one
+        call: each row through each of its experts of the group, weighted and summed into its row
+        of ``out``, added to the sums earlier groups wrote in its first ``written`` rows."""
+        pieces = [piece for piece in pieces if len(piece[0])]
         if not pieces:
             return
-        joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _ in pieces])
+        joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _, _ in pieces])
         x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
         src, index, weights = self._experts(x, ids, weights, g, num_tokens)
-        accumulate = self.expert_chunks > 1
         start = 0
-        for rows, out in pieces:
+        for rows, out, written in pieces:
             stop = start + len(rows)
             weight = None if weights is None else weights[start:stop]
-            gather_sum(src, index[start:stop], weight, add=out if accumulate else None, out=out)
+            gather_sum(src, index[start:stop], weight, add=out[:written] if written else None, out=out)
             start = stop
 
     def _experts(
@@ -449,7 +469,7 @@ class MoEFFN(nn.Module):
         (``expert_compute.group_outputs``), its dropped pairs counted."""
         size = self.num_local_experts // self.expert_chunks
         experts = slice(group * size, (group + 1) * size)
-        src, index, weights, dropped = expert_compute.group_outputs(
+        return expert_compute.group_outputs(
             x,
             ids,
             weights,
@@ -458,10 +478,8 @@ class MoEFFN(nn.Module):
             first=group * size,
             capacity=self.expert_capacity(num_tokens, ids.numel()),
             use_grouped_mm=self.use_grouped_mm,
+            dropped=self.overflow_count,
         )
-        if dropped is not None:
-            self.overflow_count += dropped
-        return src, index, weights
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
