@@ -502,3 +502,38 @@ def _calibrate_on_every_rank(rank: int, world: int) -> None:
 
 def test_expert_parallel_ranks_calibrate_one_mode_policy():
     run_distributed(_calibrate_on_every_rank, 2)
+
+
+def test_under_graphs_the_baseline_is_timed_again_after_the_other_modes(monkeypatch):
+    """The rows compare every mode with the baseline's second timing, taken after the others were
+    captured (a process's first graphs replayed faster on an H200); the first one is kept."""
+    from contextlib import contextmanager
+
+    import ubatch.bench.modes as modes_module
+    from ubatch.context import CUDAGraphMode
+
+    captured, timed = [], []
+
+    @contextmanager
+    def fake_capture(model_, step_, mode, graph_mode, partition):
+        captured.append(mode.name)
+        yield lambda: None
+
+    def scripted(fn, device, *, warmup, repeats):
+        mode = captured[-1]
+        ms = 8.0 if mode == "split2" else (9.0 if captured.count("unsplit") == 1 else 10.0)
+        timed.append(mode)
+        return Timing(ms, ms, ms)
+
+    monkeypatch.setattr(modes_module, "mode_call", fake_capture)
+    monkeypatch.setattr(modes_module, "sample_ms", scripted)
+    monkeypatch.setattr(modes_module, "profile_kernels", lambda fn, device: [])
+    monkeypatch.setattr(modes_module, "kernel_costs", lambda kernels: (4.0, 5.0))
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8)
+    modes = parse_modes("split2")
+    sweep = sweep_modes(model, step, modes, graph_mode=CUDAGraphMode.FULL, warmup=0, repeats=1)
+    assert captured == ["unsplit", "split2", "unsplit"]
+    assert sweep["timings"]["unsplit"].median_ms == 10.0 and sweep["first_baseline_ms"] == 9.0
+    rows = {row["mode"]: row for row in mode_rows(sweep, modes)}
+    assert rows["split2"]["speedup"] == 1.25 and rows["split2"]["baseline_first_ms"] == 9.0
