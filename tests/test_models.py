@@ -384,6 +384,97 @@ print("interpreted kernel ok")
     )
 
 
+SORT_CHECK = """
+import torch
+from ubatch.models import expert_compute, expert_rows
+
+
+def check_sort(x, ids, n, first):
+    # the kernel's sorted rows, positions and ends against the torch sort's; returns the pairs placed
+    got_rows, got_pos, got_ends = expert_rows.sort_by_expert_kernel(x, ids, n, first)
+    shifted = torch.where((ids >= first) & (ids < first + n), ids - first, -1)
+    ref_rows, order, ref_ends = expert_compute.sort_by_expert(x, shifted, n)
+    landed = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    assert torch.equal(got_ends, ref_ends), (got_ends, ref_ends)
+    assert torch.equal(got_pos, torch.where(shifted >= 0, landed.view_as(ids), -1))
+    real = int(ref_ends[-1])
+    assert torch.equal(got_rows[:real], ref_rows[:real])
+    return real
+
+
+def sort_cases(device, dtype, seed):
+    # strided rows, ids outside the group, a hidden size past one copy block, more pairs than one
+    # scan step, a single expert, no rows
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((1, 1, 8, 1, 0), (37, 2, 24, 4, 0), (300, 8, 40, 8, 2), (600, 3, 1030, 5, 1), (0, 2, 8, 3, 0))
+    for rows, top_k, hidden, n, first in shapes:
+        x = torch.randn(rows, hidden + 3, generator=g).to(dtype)[:, :hidden]
+        ids = torch.randint(-1, n + 2 * first + 1, (rows, top_k), generator=g)
+        yield x.to(device), ids.to(device), n, first
+"""
+
+
+def test_sort_by_expert_kernel_interpreted():
+    """The grouped GEMM's counting sort under Triton's CPU interpreter against the torch sort: the
+    same ends, positions and rows."""
+    run_interpreted(
+        SORT_CHECK
+        + """
+placed = 0
+for dtype in (torch.float32, torch.bfloat16):
+    for case in sort_cases("cpu", dtype, 0):
+        placed += check_sort(*case)
+assert placed > 0
+print("interpreted kernel ok")
+""",
+        timeout=600,
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sort_by_expert_kernel_sorts_as_torch_and_replays_from_a_graph(dtype):
+    from ubatch.models import expert_rows
+
+    namespace: dict = {}
+    exec(SORT_CHECK, namespace)
+    for case in namespace["sort_cases"]("cuda", dtype, 1):
+        namespace["check_sort"](*case)
+    x = torch.randn(700, 256, device="cuda").to(dtype)
+    ids = torch.randint(-1, 8, (700, 8), device="cuda")
+    assert expert_rows.sort_kernel_takes(x, ids, 8)
+    expert_rows.sort_by_expert_kernel(x, ids, 8)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows, position, ends = expert_rows.sort_by_expert_kernel(x, ids, 8)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(700, 256, generator=g).to(dtype))
+        ids.copy_(torch.randint(-1, 8, (700, 8), generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert namespace["check_sort"](x, ids, 8, 0) == int(ends[-1])
+        want_rows, want_position, want_ends = expert_rows.sort_by_expert_kernel(x, ids, 8)
+        assert torch.equal(position, want_position) and torch.equal(ends, want_ends)
+        assert torch.equal(rows[: int(ends[-1])], want_rows[: int(ends[-1])])
+
+
+def test_sort_kernel_leaves_large_or_odd_inputs_to_torch():
+    from ubatch.models import expert_rows
+
+    x, ids = torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64)
+    assert not expert_rows.sort_kernel_takes(x, ids, 4)  # CPU
+    if expert_rows.triton is None or not torch.cuda.is_available():
+        return
+    x, ids = x.cuda(), ids.cuda()
+    assert expert_rows.sort_kernel_takes(x, ids, 4)
+    assert not expert_rows.sort_kernel_takes(x, ids.int(), 4)
+    assert not expert_rows.sort_kernel_takes(x, ids, expert_rows._MAX_SORT_EXPERTS + 1)
+    many = torch.zeros(expert_rows._MAX_SORT_PAIRS // 2 + 1, 2, dtype=torch.int64, device="cuda")
+    assert not expert_rows.sort_kernel_takes(torch.zeros(len(many), 8, device="cuda"), many, 4)
+
+
 def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided, per_row=1):
     """Rows (a column slice of a wider buffer when ``strided``) and ``per_row`` expert ids in
     -1..n-1 for each."""

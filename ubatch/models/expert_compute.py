@@ -4,7 +4,8 @@ paths:
 - padded: one batched GEMM per projection over [experts, capacity] padded rows, where a capacity
   factor bounds each expert's rows and they are few (``PADDED_MAX_ROWS``): at those sizes the GEMM
   is a weight read, and the padding rows ride along;
-- grouped: ``torch._grouped_mm`` over the rows sorted by expert, where no row may be dropped or an
+- grouped: ``torch._grouped_mm`` over the rows sorted by expert (on CUDA by a counting sort in
+  two Triton kernels, ``expert_rows.sort_by_expert_kernel``), where no row may be dropped or an
   expert has many rows;
 - masked: every expert over every row, a static-shape loop where grouped GEMM is unsupported.
 """
@@ -79,10 +80,10 @@ def group_outputs(
     if capacity is not None:
         out, slot = padded_experts(x, ids.flatten(), w13, w2, capacity, first, dropped)
         return out, slot.view_as(ids), weights
-    ids = torch.where((ids >= first) & (ids < first + size), ids - first, -1)
     if use_grouped_mm:
-        out, position = grouped_experts(x, ids, w13, w2)
-        return out, torch.where(ids >= 0, position.view_as(ids), -1), weights
+        out, position = grouped_experts(x, ids, w13, w2, first)
+        return out, position, weights
+    ids = torch.where((ids >= first) & (ids < first + size), ids - first, -1)
     summed = masked_experts(x, ids, weights, w13, w2)
     return summed, torch.arange(len(x), device=x.device)[:, None], None
 
@@ -116,18 +117,24 @@ def padded_experts(
 
 
 def grouped_experts(
-    x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (row, column) of ``ids`` [rows, top_k] through its expert, the rows gathered sorted by
-    expert straight from ``x`` (never expanded first); returns the sorted outputs and where among
-    them each (row, column), flattened, landed (columns without an expert land among rows that
-    hold anything)."""
-    rows, order, offsets = sort_by_expert(x, ids, w13.shape[0])
+    """Every (row, column) of ``ids`` [rows, top_k] whose expert lies in ``first`` .. ``first +
+    len(w13) - 1`` through it, the rows gathered sorted by expert straight from ``x`` (never
+    expanded first; on CUDA by ``expert_rows.sort_by_expert_kernel``); returns the sorted outputs
+    and where among them each (row, column) landed [rows, top_k], -1 for the other columns."""
+    n = w13.shape[0]
+    if expert_rows.sort_kernel_takes(x, ids, n):
+        rows, position, offsets = expert_rows.sort_by_expert_kernel(x, ids, n, first)
+    else:
+        ids = torch.where((ids >= first) & (ids < first + n), ids - first, -1)
+        rows, order, offsets = sort_by_expert(x, ids, n)
+        landed = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        position = torch.where(ids >= 0, landed.view_as(ids), -1)
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
     # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
     hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
-    sorted_out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)
-    return sorted_out, torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets), position
 
 
 def masked_experts(

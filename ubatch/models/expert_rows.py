@@ -1,11 +1,13 @@
-"""One Triton kernel that places each received row in its expert's block of the padded batched
-expert GEMM's input, on CUDA.
+"""Triton kernels that place each received row where an expert GEMM reads it, on CUDA: in its
+expert's block of the padded batched GEMM's input (``pad_expert_rows_kernel``, one launch), or
+sorted by expert for the grouped GEMM (``sort_by_expert_kernel``, two).
 
-Why: in plain torch ops (``expert_compute.pad_expert_rows``) that takes about a dozen small kernels per
-expert group and layer (a one-hot scan for each row's rank among its expert's rows, masks, an
-index copy); inside a CUDA graph each small kernel costs a few microseconds whatever its size, and
-expert pipelining pays them once per group. The kernel gives the same slots, rows and dropped
-count, so outputs are bitwise those of the torch path.
+Why: in plain torch ops (``expert_compute.pad_expert_rows``, ``expert_compute.sort_by_expert``)
+each takes about a dozen small kernels per expert group and layer (a one-hot scan or a sort for
+each row's rank among its expert's rows, masks, index copies, the inverse permutation); inside a
+CUDA graph each small kernel costs a few microseconds whatever its size, and expert pipelining
+pays them once per group. The kernels give the same slots, rows and counts, so outputs are
+bitwise those of the torch path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from ubatch._triton import tl, triton, triton_available
 
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step: 8 bf16 (16 bytes) per thread, 4 warps
 _BLOCK_RANK = 1024  # earlier rows compared per loop step when counting a row's rank
+_BLOCK_SCAN = 256  # (row, expert) pairs the sort's one-program scan takes per loop step
+_MAX_SORT_PAIRS = 8192
+"""The sort's scan is one program, about a microsecond per ``_BLOCK_SCAN`` pairs: past this many
+pairs (prefill, top-8 routing over many rows) torch's parallel sort takes over."""
+_MAX_SORT_EXPERTS = 128  # experts the scan counts at once
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _EXPERT_DTYPES = (torch.int32, torch.int64)
 
@@ -78,7 +85,129 @@ def pad_expert_rows_kernel(
     return padded.view(num_experts, capacity, hidden), slot, dropped
 
 
+def sort_kernel_takes(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether ``sort_by_expert_kernel`` handles these inputs: CUDA with Triton, dense row
+    elements, contiguous int64 ids [rows, top_k], at most ``_MAX_SORT_PAIRS`` pairs and
+    ``_MAX_SORT_EXPERTS`` experts."""
+    return (
+        triton_available(x.device)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in _ROW_DTYPES
+        and ids.dim() == 2
+        and len(ids) == len(x)
+        and ids.is_contiguous()
+        and ids.dtype == torch.int64
+        and ids.device == x.device
+        and ids.numel() <= _MAX_SORT_PAIRS
+        and num_experts <= _MAX_SORT_EXPERTS
+    )
+
+
+def sort_by_expert_kernel(
+    x: torch.Tensor, ids: torch.Tensor, num_experts: int, first: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped GEMM's input in two launches: (every (row, column) pair of ``ids`` [rows,
+    top_k] whose expert lies in ``first`` .. ``first + num_experts - 1``, its row of ``x``, sorted
+    by expert and in pair order within one, [rows * top_k, hidden] (the rows past the last
+    expert's end are left unwritten); each pair's position there [rows, top_k], -1 for the
+    others; each expert's end offset among them, int32 [num_experts]). The positions are a
+    stable sort's, as ``expert_compute.sort_by_expert`` gives them. A one-program scan counts each
+    pair's rank among its expert's pairs and the experts' ends; then a program per pair copies
+    its row."""
+    rows, top_k = ids.shape
+    hidden = x.shape[1]
+    pairs = rows * top_k
+    sorted_rows = x.new_empty(pairs, hidden)
+    position = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
+    ends = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    if pairs == 0 or num_experts == 0:
+        return sorted_rows, position.fill_(-1), ends
+    rank = torch.empty(pairs, dtype=torch.int32, device=x.device)
+    _sort_scan[(1,)](
+        ids,
+        rank,
+        ends,
+        pairs,
+        first,
+        num_experts,
+        KEYS=max(2, triton.next_power_of_2(num_experts)),
+        BLOCK=_BLOCK_SCAN,
+        num_warps=4,
+    )
+    _sort_copy[(pairs,)](
+        x,
+        ids,
+        rank,
+        ends,
+        sorted_rows,
+        position,
+        top_k,
+        hidden,
+        x.stride(0),
+        first,
+        num_experts,
+        BLOCK_HIDDEN=min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(max(hidden, 1))),
+        num_warps=4,
+    )
+    return sorted_rows, position, ends
+
+
 if triton is not None:
+
+    @triton.jit
+    def _sort_scan(ids_ptr, rank_ptr, ends_ptr, pairs, first, num_experts, KEYS: tl.constexpr, BLOCK: tl.constexpr):
+        """One program over the pairs in order: each pair's rank among the earlier pairs of its
+        expert (-1 for pairs of no expert here), then each expert's end offset (the running sum of
+        the counts). The experts are keys along the outer dimension and the pairs along the inner
+        one, the scan's (a scan along the outer dimension with a single key gave wrong positions
+        on an H200, ``send_rows``)."""
+        keys = tl.arange(0, KEYS)
+        seen = tl.zeros((KEYS,), dtype=tl.int32)
+        for start in tl.range(0, pairs, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            live = i < pairs
+            given = tl.load(ids_ptr + i, mask=live, other=-1)
+            expert = tl.where((given >= first) & (given < first + num_experts), given - first, -1).to(tl.int32)
+            hit = (keys[:, None] == expert[None, :]) & live[None, :]
+            hits = hit.to(tl.int32)
+            before = seen[:, None] + tl.cumsum(hits, axis=1) - hits
+            rank = tl.sum(tl.where(hit, before, 0), axis=0)
+            tl.store(rank_ptr + i, tl.where(expert >= 0, rank, -1), mask=live)
+            seen += tl.sum(hits, axis=1)
+        tl.store(ends_ptr + keys, tl.cumsum(seen, axis=0), mask=keys < num_experts)
+
+    @triton.jit
+    def _sort_copy(
+        x_ptr,
+        ids_ptr,
+        rank_ptr,
+        ends_ptr,
+        out_ptr,
+        position_ptr,
+        top_k,
+        hidden,
+        stride_x,
+        first,
+        num_experts,
+        BLOCK_HIDDEN: tl.constexpr,
+    ):
+        """Pair ``program_id(0)``: its position is its expert's start plus its rank; its row of
+        ``x`` goes there. A pair of no expert here gets -1 and copies nothing."""
+        pair = tl.program_id(0).to(tl.int64)
+        rank = tl.load(rank_ptr + pair).to(tl.int64)
+        expert = tl.load(ids_ptr + pair) - first
+        real = rank >= 0
+        after = real & (expert > 0)  # an expert whose start is the end before it
+        start = tl.where(after, tl.load(ends_ptr + tl.where(after, expert - 1, 0)), 0).to(tl.int64)
+        place = tl.where(real, start + rank, -1)
+        tl.store(position_ptr + pair, place)
+        source = x_ptr + (pair // top_k) * stride_x
+        target = out_ptr + place * hidden
+        for offset in tl.range(0, hidden, BLOCK_HIDDEN):
+            cols = offset + tl.arange(0, BLOCK_HIDDEN)
+            mask = (cols < hidden) & (cols * 0 + place >= 0)  # a vector mask, as in _pad_rows
+            tl.store(target + cols, tl.load(source + cols, mask=mask), mask=mask)
 
     @triton.jit
     def _pad_rows(
