@@ -25,18 +25,18 @@ import gc
 import torch
 
 KERNELS = 200
-FRESH_WARM_STREAM = False
 
 
-def capture(kind: str, x: torch.Tensor, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    """A graph of ``KERNELS`` elementwise kernels over ``x``, captured as ``kind`` says."""
+def capture(kind: str, x: torch.Tensor, side: torch.cuda.Stream, fresh_warm_stream: bool) -> torch.cuda.CUDAGraph:
+    """A graph of ``KERNELS`` elementwise kernels over ``x``, captured as ``kind`` says, warmed
+    first on the current stream or on a new one."""
 
     def body() -> None:
         y = x
         for _ in range(KERNELS):
             y = y * 1.0001
 
-    warm = torch.cuda.Stream() if FRESH_WARM_STREAM else torch.cuda.current_stream()
+    warm = torch.cuda.Stream() if fresh_warm_stream else torch.cuda.current_stream()
     warm.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm):
         body()  # warm outside the capture
@@ -77,8 +77,6 @@ def main() -> None:
     p.add_argument("--drop", action="store_true", help="then free all but the first and time it again")
     p.add_argument("--fresh-warm-stream", action="store_true", help="warm each graph's kernels on a new stream")
     args = p.parse_args()
-    global FRESH_WARM_STREAM
-    FRESH_WARM_STREAM = args.fresh_warm_stream
     kinds = args.order.split(",")
     if any(kind not in ("same", "fork") for kind in kinds):
         raise SystemExit(f"--order takes same and fork, got {args.order}")
@@ -86,7 +84,7 @@ def main() -> None:
     side = torch.cuda.Stream()
     kept: list[tuple[str, torch.cuda.CUDAGraph]] = []
     for kind in kinds:
-        kept.append((kind, capture(kind, x, side)))
+        kept.append((kind, capture(kind, x, side, args.fresh_warm_stream)))
         timed = ", ".join(f"{name} {us_per_kernel(graph):.2f}" for name, graph in kept)
         print(f"after instantiating {len(kept)} graph(s), us per kernel: {timed}", flush=True)
     if args.drop:
