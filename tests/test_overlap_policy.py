@@ -506,22 +506,24 @@ def test_expert_parallel_ranks_calibrate_one_mode_policy():
 
 def test_under_graphs_the_baseline_is_timed_again_after_the_other_modes(monkeypatch):
     """The rows compare every mode with the baseline's second timing, taken after the others were
-    captured (a process's first graphs replayed faster on an H200); the first one is kept."""
+    captured (a process's first graphs replayed faster on an H200); the first one is kept. The
+    baseline is captured once and kept alive through the sweep."""
     from contextlib import contextmanager
 
     import ubatch.bench.modes as modes_module
     from ubatch.context import CUDAGraphMode
 
-    captured, timed = [], []
+    captured, called, timed = [], [], []
 
     @contextmanager
     def fake_capture(model_, step_, mode, graph_mode, partition):
         captured.append(mode.name)
-        yield lambda: None
+        yield lambda: called.append(mode.name)
 
     def scripted(fn, device, *, warmup, repeats):
-        mode = captured[-1]
-        ms = 8.0 if mode == "split2" else (9.0 if captured.count("unsplit") == 1 else 10.0)
+        fn()
+        mode = called[-1]
+        ms = 8.0 if mode == "split2" else (9.0 if timed.count("unsplit") < 2 else 10.0)
         timed.append(mode)
         return Timing(ms, ms, ms)
 
@@ -533,7 +535,37 @@ def test_under_graphs_the_baseline_is_timed_again_after_the_other_modes(monkeypa
     step, _ = make_step(model, [1] * 8, [4] * 8)
     modes = parse_modes("split2")
     sweep = sweep_modes(model, step, modes, graph_mode=CUDAGraphMode.FULL, warmup=0, repeats=1)
-    assert captured == ["unsplit", "split2", "unsplit"]
+    assert captured == ["unsplit", "split2"]
+    assert timed == ["unsplit", "unsplit", "split2", "split2", "unsplit"]
     assert sweep["timings"]["unsplit"].median_ms == 10.0 and sweep["first_baseline_ms"] == 9.0
     rows = {row["mode"]: row for row in mode_rows(sweep, modes)}
     assert rows["split2"]["speedup"] == 1.25 and rows["split2"]["baseline_first_ms"] == 9.0
+
+
+def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatch):
+    """Each round runs the baseline and the mode back to back; the row reports the median round's
+    ratio, the middle half of the rounds and the efficiency the ratio gives."""
+    import ubatch.bench.modes as modes_module
+
+    rounds = {"pipeline2": [(10.0, 8.0), (12.0, 9.0), (10.0, 9.0), (11.0, 10.0)]}
+    calls = []
+
+    def interleaved(fns, device, *, warmup, repeats):
+        calls.append((len(fns), warmup, repeats))
+        return [[b for b, _ in rounds["pipeline2"]], [m for _, m in rounds["pipeline2"]]]
+
+    monkeypatch.setattr(modes_module, "interleaved_samples_ms", interleaved)
+    model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
+    step, _ = make_step(model, [1] * 8, [4] * 8)
+    modes = parse_modes("pipeline2")
+    sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=4)
+    assert calls == [(2, 1, 4)], "one paired timing per mode but the baseline, as many rounds as repeats"
+    assert sweep["paired_speedups"] == {"pipeline2": [1.25, 12 / 9, 10 / 9, 1.1]}
+    sweep["compute_ms"], sweep["comm_ms"] = 5.0, 4.0  # an ideal of 1.8
+    rows = {row["mode"]: row for row in mode_rows(sweep, modes)}
+    assert rows["unsplit"]["paired_speedup"] is None
+    row = rows["pipeline2"]
+    assert row["paired_speedup"] == round((1.25 + 10 / 9) / 2, 4)
+    q1, q3 = row["paired_speedup_iqr"]
+    assert 1.1 <= q1 < row["paired_speedup"] < q3 <= 12 / 9
+    assert row["paired_efficiency"] == pytest.approx((row["paired_speedup"] - 1) / 0.8, abs=1e-3)

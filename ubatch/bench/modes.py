@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
-from ubatch.bench.measure import EagerRuns, drain
+from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
 from ubatch.bench.roofline import roofline_fields, shard_worlds
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
@@ -91,6 +91,14 @@ def mode_partition(mode: OverlapMode, default: Any, device: Any, made: dict[int,
     if mode.comm_sms not in made:
         made[mode.comm_sms] = SMPartition("green", mode.comm_sms, device)
     return made[mode.comm_sms]
+
+
+def partition_fields(partition: Any) -> dict[str, Any]:
+    """A report row's ``sm_partition`` and ``comm_sms`` for a mode run under ``partition``."""
+    if partition is None:
+        return {"sm_partition": "none", "comm_sms": None}
+    mode = partition.effective_mode
+    return {"sm_partition": mode, "comm_sms": None if mode == "none" else partition.comm_sms_for()}
 
 
 def eager_call(model: Any, step: Step, mode: OverlapMode, sm_partition: Any = None) -> Callable[[], Any]:
@@ -182,10 +190,12 @@ def sweep_modes(
     them ``group`` (the ranks' process group), and every short timing is the slowest rank's, so
     they agree on the runoff and on the pick.
 
-    Under graphs the baseline is captured and timed again after every other mode, and that timing
-    is the one the rows compare against (``first_baseline_ms`` keeps the first): on an H200 the
-    graphs a process captures first replayed their kernels 0.4 us closer together than those
-    captured after a ubatch's streams had run (``scripts/probe_graph_launch.py``), an edge only
+    The baseline stays captured through the sweep, and every other mode is also timed against it
+    back to back, round by round (``paired_speedups``), which the 1-3% a mode's cost moves between
+    timed blocks cannot blur. Under graphs the baseline is timed again after every other mode, and
+    that timing is the one the rows' ``speedup`` compares against (``first_baseline_ms`` keeps the
+    first): on an H200 the graphs a process captures first replayed their kernels 0.4 us closer
+    together than once a ubatch's streams had run (``scripts/probe_graph_launch.py``), an edge only
     the baseline, captured first, would get."""
     if modes[0] != OverlapMode():
         raise ValueError(f"the first mode must be unsplit (the baseline), got {modes[0].name}")
@@ -195,34 +205,39 @@ def sweep_modes(
     dropped: dict[str, float | None] = {}
     partitions: dict[str, dict[str, Any]] = {}
     made: dict[int, SMPartition] = {}
-    for mode in modes:
-        partition = mode_partition(mode, sm_partition, device, made)
-        partitions[mode.name] = {
-            "sm_partition": "none" if partition is None else partition.effective_mode,
-            "comm_sms": None if partition is None or partition.effective_mode == "none" else partition.comm_sms_for(),
-        }
-        with mode_call(model, step, mode, graph_mode, partition) as fn:
-            quick[mode.name] = [sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms]
-            timings[mode.name] = sample_ms(fn, device, warmup=0, repeats=repeats)  # warm from the short timing
-            dropped[mode.name] = dropped_share(model, fn, step)
-            if graph_mode is not None and mode == OverlapMode():
-                compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
-            elif graph_mode is not None and chrome_trace and mode == modes[1]:
-                profile_kernels(fn, device, chrome_trace=chrome_trace)
-    first = slowest_rank_ms({name: ms[0] for name, ms in quick.items()}, group)
-    runoff = [m for m in modes if m.name in close_calls(first)]
-    if len(runoff) > 1:
-        for round_ in range(RUNOFF_ROUNDS):
-            for mode in runoff if round_ % 2 else reversed(runoff):
-                partition = mode_partition(mode, sm_partition, device, made)
-                with mode_call(model, step, mode, graph_mode, partition) as fn:
-                    quick[mode.name].append(sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms)
-    first_baseline_ms = None
-    if graph_mode is not None and len(modes) > 1:
-        first_baseline_ms = timings[modes[0].name].median_ms
-        partition = mode_partition(modes[0], sm_partition, device, made)
-        with mode_call(model, step, modes[0], graph_mode, partition) as fn:
-            timings[modes[0].name] = sample_ms(fn, device, warmup=warmup, repeats=repeats)
+    paired: dict[str, list[float]] = {}
+    with ExitStack() as baseline_scope:
+        baseline = None
+        for mode in modes:
+            partition = mode_partition(mode, sm_partition, device, made)
+            partitions[mode.name] = partition_fields(partition)
+            with ExitStack() as mode_scope:
+                scope = mode_scope if baseline is not None else baseline_scope  # the baseline stays
+                fn = in_mode(model, mode, scope.enter_context(mode_call(model, step, mode, graph_mode, partition)))
+                quick[mode.name] = [sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms]
+                timings[mode.name] = sample_ms(fn, device, warmup=0, repeats=repeats)  # warm from the short timing
+                dropped[mode.name] = dropped_share(model, fn, step)
+                if baseline is None:
+                    baseline = fn
+                    if graph_mode is not None:
+                        compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
+                else:
+                    paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
+                    if graph_mode is not None and chrome_trace and mode == modes[1]:
+                        profile_kernels(fn, device, chrome_trace=chrome_trace)
+        first = slowest_rank_ms({name: ms[0] for name, ms in quick.items()}, group)
+        runoff = [m for m in modes if m.name in close_calls(first)]
+        if len(runoff) > 1:
+            for round_ in range(RUNOFF_ROUNDS):
+                for mode in runoff if round_ % 2 else reversed(runoff):
+                    partition = mode_partition(mode, sm_partition, device, made)
+                    with mode_call(model, step, mode, graph_mode, partition) as fn:
+                        fn = in_mode(model, mode, fn)
+                        quick[mode.name].append(sample_ms(fn, device, warmup=warmup, repeats=QUICK_REPEATS).median_ms)
+        first_baseline_ms = None
+        if graph_mode is not None and len(modes) > 1:
+            first_baseline_ms = timings[modes[0].name].median_ms
+            timings[modes[0].name] = sample_ms(baseline, device, warmup=warmup, repeats=repeats)
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
     return {
@@ -234,7 +249,31 @@ def sweep_modes(
         "comm_ms": comm_ms,
         "dropped_fraction": dropped,
         "partitions": partitions,
+        "paired_speedups": paired,
     }
+
+
+def in_mode(model: Any, mode: OverlapMode, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with ``mode`` put in force before each call: the baseline's graph stays alive beside
+    every other mode's, and a PIECEWISE replay's eager islands read the model's expert groups."""
+
+    def call() -> Any:
+        apply_mode(model, mode)
+        return fn()
+
+    return call
+
+
+def paired_speedups(
+    baseline: Callable[[], Any], fn: Callable[[], Any], device: Any, *, repeats: int, group: Any = None
+) -> list[float]:
+    """Baseline over mode, one ratio per round of ``repeats``, the two runs of a round back to back
+    (``interleaved_samples_ms``; under torchrun each run's slowest rank): a stretch of load on the
+    machine falls on both runs of a round, so the ratios stray far less than two medians taken
+    seconds apart (1.6-2.7% between two timings of one baseline on an H200)."""
+    base, mode = interleaved_samples_ms([baseline, fn], device, warmup=1, repeats=repeats)
+    rounds = slowest_rank_ms({(i, k): ms for i, pair in enumerate(zip(base, mode)) for k, ms in enumerate(pair)}, group)
+    return [rounds[i, 0] / rounds[i, 1] for i in range(repeats)]
 
 
 def slowest_rank_ms(timings_ms: dict[Any, float], group: Any) -> dict[Any, float]:
@@ -285,6 +324,7 @@ def dropped_share(model: Any, fn: Callable[[], Any], step: Step) -> float | None
 def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[str, Any]]:
     """One report row per mode, every figure against the same run's unsplit step and ideal."""
     base, first = sweep["timings"]["unsplit"], sweep.get("first_baseline_ms")
+    paired = sweep.get("paired_speedups", {})
     c, m = sweep["compute_ms"], sweep["comm_ms"]
     ideal = (c + m) / max(c, m) if max(c, m) > 0 else 1.0
     rows = []
@@ -314,9 +354,24 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "above_ideal": speedup > ideal * (1 + spread),
                 "dropped_fraction": sweep["dropped_fraction"].get(mode.name),
                 "baseline_first_ms": None if first is None else round(first, 4),
+                **paired_fields(paired.get(mode.name), ideal),
             }
         )
     return rows
+
+
+def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, Any]:
+    """``paired_speedup`` (the median round's baseline over mode), the middle half of the rounds
+    around it (``paired_speedup_iqr``) and the efficiency it gives; None for the baseline."""
+    if not speedups:
+        return {"paired_speedup": None, "paired_speedup_iqr": None, "paired_efficiency": None}
+    median = statistics.median(speedups)
+    q1, _, q3 = statistics.quantiles(speedups, n=4, method="inclusive") if len(speedups) > 1 else [median] * 3
+    return {
+        "paired_speedup": round(median, 4),
+        "paired_speedup_iqr": [round(q1, 4), round(q3, 4)],
+        "paired_efficiency": None if ideal <= 1 + 1e-9 else round((median - 1) / (ideal - 1), 4),
+    }
 
 
 def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: int) -> dict[str, Any]:

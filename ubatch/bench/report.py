@@ -235,7 +235,7 @@ def run_summary(report: dict[str, Any]) -> str:
 
 def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
-    unsplit step, its ideal and efficiency, the dropped share, the roofline and (where measured)
+    unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the dropped share, the roofline and (where measured)
     the host's time to issue one run; aligned text, or a markdown table (``markdown``, as
     benchmarks/RESULTS.md shows a report)."""
     columns = [
@@ -243,10 +243,12 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
         ("mode", lambda r: r["mode"]),
         ("ms", lambda r: _with_range(r, "median_ms", "min_ms", "max_ms")),
         ("speedup", lambda r: "ruled out" if r["above_ideal"] else f"{_num(r['speedup'])}x"),
+        ("paired", _paired_cell),
         ("C ms", lambda r: _cell(r.get("compute_ms"))),
         ("M ms", lambda r: _cell(r.get("comm_ms"))),
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
         ("effic.", lambda r: _cell(r.get("efficiency"))),
+        ("paired effic.", lambda r: _cell(r.get("paired_efficiency"))),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
         (
             "roofline",
@@ -267,6 +269,15 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     lines = ["  ".join(head.rjust(w) for (head, _), w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
+
+
+def _paired_cell(row: dict[str, Any]) -> str:
+    """The speedup timed round by round against the kept baseline, with its middle half of rounds
+    (reports before 2026-12-05 have none; the baseline's row neither)."""
+    if row.get("paired_speedup") is None:
+        return "-"
+    q1, q3 = row["paired_speedup_iqr"]
+    return f"{row['paired_speedup']:.3f}x ({q1:.3f}-{q3:.3f})"
 
 
 def modes_policy_sentence(point: dict[str, Any]) -> str:
