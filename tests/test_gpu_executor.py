@@ -54,6 +54,43 @@ def test_each_ubatch_runs_on_its_own_stream_and_the_callers_is_restored():
 
 
 @pytest.mark.cuda
+def test_one_task_computes_on_the_callers_stream_and_its_collective_still_goes_to_the_comm_stream():
+    sched = UBatchScheduler(3, "cuda")
+    sched.prepare()
+    seen = []
+
+    def task():
+        seen.append(torch.cuda.current_stream())
+        x = torch.randn(512, 512, device="cuda")
+        out = torch.empty_like(x)
+        current_ubatch().run_collective("copy", lambda _: out.copy_(x @ x), None)
+        seen.append(torch.cuda.current_stream())
+        return x, out
+
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        ((x, out),) = sched.run([task])
+        expected = x @ x  # queued on the caller's stream after the wait for the comm stream
+    torch.cuda.synchronize()
+    assert seen == [caller, caller]
+    torch.testing.assert_close(out, expected)
+    with torch.cuda.stream(caller):  # two tasks still get their own streams
+        sched.run([task] * 2)
+    first, second = sched.compute_streams[:2]
+    assert seen[2:] == [first, second, first, second]  # round-robin around the collectives
+
+
+@pytest.mark.cuda
+def test_one_task_keeps_handed_in_compute_streams():
+    """An SM partition's compute streams are on its compute SMs: a lone task must stay there."""
+    given = [torch.cuda.Stream(), torch.cuda.Stream()]
+    sched = UBatchScheduler(2, "cuda", compute_streams=given, comm_stream=torch.cuda.Stream())
+    seen = []
+    sched.run([lambda: seen.append(torch.cuda.current_stream())])
+    assert seen == [given[0]]
+
+
+@pytest.mark.cuda
 def test_ubatched_equals_unsplit_with_a_green_sm_partition():
     model = build_model(ModelConfig(**MODELS["moe"]), device="cuda")
     partition = SMPartition("green", 16, "cuda")

@@ -8,8 +8,12 @@ Streams (CUDA): each ubatch has its own compute stream and all share one comm st
 hand-off the outgoing ubatch records an event that the incoming one's stream waits on, so compute
 runs in host issue order across ubatches. That order is what makes ubatch i's KV write at layer L
 land before ubatch i+1's attention at layer L reads it (a request straddling the split). The
-overlap comes from the comm stream: a collective runs there while the next ubatch computes. On
-CPU the same code runs with no streams at all.
+overlap comes from the comm stream: a collective runs there while the next ubatch computes. A
+call of one task (single-batch overlap, expert pipelining) computes on the caller's stream
+instead, unless the compute streams were handed in (an SM partition's): with no other ubatch to
+run beside its waits, a stream of its own would only add a fork and a join, and graphs warmed on
+side streams replay their kernels further apart (scripts/probe_graph_launch.py). On CPU the same
+code runs with no streams at all.
 """
 
 from __future__ import annotations
@@ -329,6 +333,7 @@ class UBatchScheduler:
         self._comm_group = comm_group
         self.compute_streams: list[Any] = []
         self.comm_stream: Any = None
+        self.single_task_on_caller_stream = False
         if self.is_cuda:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -341,6 +346,7 @@ class UBatchScheduler:
             raise ValueError(f"need one compute stream per ubatch ({self.num_ubatches}), got {len(compute_streams)}")
         own_compute, own_comm = ubatch_streams(self.device, self.num_ubatches)
         self.compute_streams = list(compute_streams or own_compute)
+        self.single_task_on_caller_stream = compute_streams is None
         self.comm_stream = comm_stream if comm_stream is not None else own_comm
 
     def _make_state(self, i: int) -> UBatchState:
@@ -435,8 +441,10 @@ class UBatchScheduler:
         states = pool.states[:n]
         pool.entered.update(range(n))  # forked from the caller's stream below, so joined back
         if caller_stream is not None:
-            for state in states:
-                state.compute_stream.wait_stream(caller_stream)
+            for state, stream in zip(states, self._call_streams(n, caller_stream)):
+                state.compute_stream = stream
+                if stream != caller_stream:
+                    stream.wait_stream(caller_stream)
         for state in states:
             state.grad_enabled = grad_enabled
             state.join_counts.clear()
@@ -523,12 +531,20 @@ class UBatchScheduler:
         pool.workers[i] = _start_worker()  # the worker first: a fresh state must never meet the old one
         pool.states[i] = self._make_state(i)
 
+    def _call_streams(self, n: int, caller_stream: Any) -> list[Any]:
+        """The compute stream of each of a call's ``n`` ubatches (see the module docstring)."""
+        if n == 1 and self.single_task_on_caller_stream:
+            return [caller_stream]
+        return self.compute_streams[:n]
+
     def _join(self, pool: _Pool, caller_stream: Any) -> None:
         if caller_stream is None:
             return
         torch.cuda.set_stream(caller_stream)
         for i in sorted(pool.entered):
-            caller_stream.wait_stream(self.compute_streams[i])
+            stream = pool.states[i].compute_stream
+            if stream != caller_stream:
+                caller_stream.wait_stream(stream)
         if pool.comm_stream_used:  # joining an unused stream would break a graph capture
             caller_stream.wait_stream(self.comm_stream)
 
