@@ -536,6 +536,7 @@ def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
         (["--preset", "tiny"], "preset 'tiny' is a dense model but --model moe was given"),
         (["--num-experts", "1"], "--preset tiny-moe with these overrides: top_k must be in [1, num_experts=1], got 2"),
         (["--quick", "--num-experts", "3"], "3 experts cannot be split evenly over 2 ranks"),
+        (["--link", "host::w8"], "4 experts cannot be split evenly over the host::w8 stand-in's 8 ranks"),
         (["--tokens", "2", "--num-ubatches", "3"], "--tokens 2 cannot be split into 3 ubatches"),
         (["--policy", "auto", "--calibrate-tokens", "64,64"], "--calibrate-tokens needs two or more different sizes"),
         (["--workload", "generate", "--nproc", "2"], "--workload generate runs in one process"),

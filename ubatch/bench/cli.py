@@ -302,9 +302,13 @@ def _check_model(p: argparse.ArgumentParser, args: argparse.Namespace, world: in
         p.error(f"--preset {args.preset} with these overrides: {exc}")
     if config.kind != args.model:
         p.error(f"preset {args.preset!r} is a {config.kind} model but --model {args.model} was given")
+    ranks = f"{world} ranks"
+    link = parse_link(args.link) if args.link else None
+    if link is not None:  # a world of one that shards the model for its world size
+        world, ranks = link.world_size, f"the {args.link} stand-in's {link.world_size} ranks"
     if config.kind == "moe" and world > 1 and config.num_experts % world:
         p.error(
-            f"{config.num_experts} experts cannot be split evenly over {world} ranks; "
+            f"{config.num_experts} experts cannot be split evenly over {ranks}; "
             f"use --num-experts with a multiple of {world}"
         )
 
