@@ -405,6 +405,28 @@ def test_a_mode_sweeps_roofline_is_one_ranks_share_of_the_sharded_model(tmp_path
     assert shard_worlds(build_model(ModelConfig.preset("tiny-moe"), ep_group=HostLink(4), **cpu)) == (4, 1)
 
 
+def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsplit_step(tmp_path, monkeypatch):
+    """``modes_report`` asks ``ceiling_fields`` for every row's own mode, at the row's size, with the
+    run's C, M and unsplit median and the rank's shard, and puts its answer in the row."""
+    import ubatch.bench.modes as modes_module
+
+    calls = []
+
+    def recording(config, mode, tokens, **kwargs):
+        calls.append((mode.name, tokens, kwargs["ep_world"], kwargs["unsplit_ms"], kwargs["compute_ms"]))
+        return {"reread_ms": 1.5, "efficiency_ceiling": 0.25 if mode.num_ubatches > 1 else 1.0}
+
+    monkeypatch.setattr(modes_module, "ceiling_fields", recording)
+    argv = ["--modes", "pipeline2,split2", "--link", "host:50:w4", "--tokens", "32", "--repeats", "1", "--warmup", "0"]
+    main([*argv, "--num-experts", "8", "--out", str(tmp_path / "modes.json")])
+    report = json.loads((tmp_path / "modes.json").read_text())
+    rows = {row["mode"]: row for row in report["results"]}
+    assert [c[:3] for c in calls] == [("unsplit", 32, 4), ("pipeline2", 32, 4), ("split2", 32, 4)]
+    assert all(c[3] == pytest.approx(rows["unsplit"]["median_ms"], abs=1e-3) for c in calls)
+    assert all(c[4] == pytest.approx(rows["unsplit"]["compute_ms"], abs=1e-3) for c in calls)
+    assert rows["split2"]["efficiency_ceiling"] == 0.25 and rows["pipeline2"]["efficiency_ceiling"] == 1.0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
@@ -440,6 +441,7 @@ def modes_report(
     skipped = [m.name for m in args.modes if m not in modes]
     graph_mode = GRAPH_MODES[args.workload] if args.graphs else None
     ep_world, tp_world = shard_worlds(model)
+    by_name = {mode.name: mode for mode in modes}
     results, points = [], []
     for tokens in args.tokens:
         step = step_at(tokens)
@@ -466,6 +468,17 @@ def modes_report(
                     **row,
                     **roofline_fields(
                         config, md, row["median_ms"], device=model.device, ep_world=ep_world, tp_world=tp_world
+                    ),
+                    **ceiling_fields(
+                        config,
+                        by_name[row["mode"]],
+                        tokens,
+                        compute_ms=sweep["compute_ms"],
+                        comm_ms=sweep["comm_ms"],
+                        unsplit_ms=sweep["timings"]["unsplit"].median_ms,
+                        device=model.device,
+                        ep_world=ep_world,
+                        tp_world=tp_world,
                     ),
                 }
             )

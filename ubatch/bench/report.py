@@ -235,9 +235,10 @@ def run_summary(report: dict[str, Any]) -> str:
 
 def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
-    unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the dropped share, the roofline and (where measured)
-    the host's time to issue one run; aligned text, or a markdown table (``markdown``, as
-    benchmarks/RESULTS.md shows a report)."""
+    unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the
+    most efficiency the weights the mode reads again leave it (``ubatch.bench.ceiling``), the
+    dropped share, the roofline and (where measured) the host's time to issue one run; aligned
+    text, or a markdown table (``markdown``, as benchmarks/RESULTS.md shows a report)."""
     columns = [
         ("tokens", lambda r: str(r["tokens_per_rank"])),
         ("mode", lambda r: r["mode"]),
@@ -249,6 +250,7 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
         ("effic.", lambda r: _cell(r.get("efficiency"))),
         ("paired effic.", lambda r: _cell(r.get("paired_efficiency"))),
+        ("ceiling", lambda r: _cell(r.get("efficiency_ceiling"))),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
         (
             "roofline",

@@ -172,10 +172,17 @@ def _ffn(config: ModelConfig, tokens: int, ep_world: int, tp_world: int) -> tupl
         return 3 * hidden * inter * elt, 2 * tokens * 3 * hidden * inter
     experts, k, inter = config.num_experts, config.top_k, config.moe_intermediate_size
     shared_inter = config.num_shared_experts * inter // tp_world
-    touched = experts / ep_world * (1.0 - (1.0 - k / experts) ** (ep_world * tokens))
+    touched = touched_experts(config, tokens, ep_world)
     weight_bytes = experts * hidden * _ROUTER_BYTES + (touched * 3 * hidden * inter + 3 * hidden * shared_inter) * elt
     flops = 2 * tokens * (experts * hidden + 3 * hidden * (k * inter + shared_inter))
     return weight_bytes, flops
+
+
+def touched_experts(config: ModelConfig, tokens: int, ep_world: int) -> float:
+    """How many of a rank's local experts receive at least one of the rows ``tokens`` tokens on each
+    of ``ep_world`` ranks route, in expectation under a uniform router (the module docstring)."""
+    experts, k = config.num_experts, config.top_k
+    return experts / ep_world * (1.0 - (1.0 - k / experts) ** (ep_world * tokens))
 
 
 def _query_lens(num_tokens: int, num_reqs: int, query_len_per_req: Sequence[int] | None) -> list[int]:

@@ -1,0 +1,82 @@
+"""The most an overlap mode can gain on a step, from the weight bytes it reads again.
+
+A split step's ubatches each read the weights every token needs (attention, norms, router, shared
+experts, a dense MLP), and unless their expert stages are joined each ubatch reads every local
+expert its own tokens reach. Own rows first runs each expert stage as two GEMM calls, and chunked
+all-reduces run each row-parallel projection as one GEMM per chunk: each call reads its weights.
+No schedule hides those bytes: even with every transfer hidden and nothing else slower, the mode's
+step takes the unsplit step's compute plus their time at the device's datasheet bandwidth (a
+read no kernel beats). ``efficiency_ceiling`` turns that floor into the highest efficiency the mode
+can reach in the run that measured C, M and the unsplit step: where it is below a target, no
+schedule of that mode meets the target there. Expected expert counts follow ``roofline``'s uniform
+router.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ubatch.bench.roofline import H200_HBM_GBPS_DATASHEET, touched_experts
+from ubatch.models.config import ModelConfig
+from ubatch.overlap import OverlapMode
+
+
+def extra_weight_bytes(
+    config: ModelConfig, mode: OverlapMode, num_tokens: int, *, ep_world: int = 1, tp_world: int = 1
+) -> float:
+    """Weight bytes one rank reads in ``mode`` beyond the unsplit step's one read of each weight,
+    for a step of ``num_tokens`` tokens on that rank split into ``mode.num_ubatches`` equal parts."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < mode.num_ubatches:
+        raise ValueError(f"num_tokens must be an int >= {mode.num_ubatches} (one per ubatch), got {num_tokens!r}")
+    elt, hidden, n = config.dtype.itemsize, config.hidden_size, mode.num_ubatches
+    q_dim = config.num_heads * config.head_dim // tp_world
+    kv_dim = config.num_kv_heads * config.head_dim // tp_world
+    projection_out = q_dim * hidden * elt  # row-parallel: the attention's output projection
+    per_ubatch = hidden * (q_dim + 2 * kv_dim) * elt + projection_out + 2 * hidden * elt
+    if config.kind == "dense":
+        down = hidden * config.intermediate_size // tp_world * elt
+        per_ubatch += 3 * down
+        chunked = projection_out + down
+    else:
+        shared = config.num_shared_experts * config.moe_intermediate_size // tp_world
+        per_ubatch += config.num_experts * hidden * 4 + 3 * hidden * shared * elt  # float32 router
+        chunked = projection_out
+    extra = (n - 1) * per_ubatch + n * (mode.all_reduce_chunks - 1) * chunked
+    if config.kind == "moe":
+        expert = 3 * hidden * config.moe_intermediate_size * elt
+        stages = [num_tokens] if mode.join_experts else _parts(num_tokens, n)
+        reads = sum(touched_experts(config, tokens, ep_world) for tokens in stages)
+        if mode.local_first and ep_world > 1:
+            reads *= 2  # own rows, then the other ranks' rows: two GEMM calls per stage
+        extra += (reads - touched_experts(config, num_tokens, ep_world)) * expert
+    return config.num_layers * extra
+
+
+def ceiling_fields(
+    config: ModelConfig,
+    mode: OverlapMode,
+    num_tokens: int,
+    *,
+    compute_ms: float,
+    comm_ms: float,
+    unsplit_ms: float,
+    device: Any,
+    ep_world: int = 1,
+    tp_world: int = 1,
+) -> dict[str, Any]:
+    """A report row's ``reread_ms`` (the extra weight bytes at the datasheet bandwidth) and
+    ``efficiency_ceiling``: the efficiency of a step that takes ``compute_ms + reread_ms`` against
+    the run's ``unsplit_ms`` and ideal (capped at 1). None on a CPU, which the H200's bandwidth does
+    not describe, or without communication (no ideal to approach)."""
+    if getattr(device, "type", device) != "cuda" or not comm_ms > 0:
+        return {"reread_ms": None, "efficiency_ceiling": None}
+    reread_ms = extra_weight_bytes(config, mode, num_tokens, ep_world=ep_world, tp_world=tp_world)
+    reread_ms /= H200_HBM_GBPS_DATASHEET * 1e6
+    ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms)
+    best = min(ideal, unsplit_ms / (compute_ms + reread_ms))
+    return {"reread_ms": round(reread_ms, 4), "efficiency_ceiling": round(min(1.0, (best - 1) / (ideal - 1)), 4)}
+
+
+def _parts(total: int, n: int) -> list[int]:
+    base, extra = divmod(total, n)
+    return [base + 1] * extra + [base] * (n - extra)
