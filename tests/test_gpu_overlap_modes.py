@@ -116,9 +116,18 @@ def test_chunked_all_reduce_over_the_link_eager_and_replayed_equal_unsplit(mode_
     _check_mode(model, CONFIGS["float32"][1], mode_name, graph_mode)
 
 
-def _check_split_mode(dtype: str, mode_name: str, link: bool, graph_mode: CUDAGraphMode = CUDAGraphMode.FULL) -> None:
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode_name", ["overlap", "split2", "split3+join"])
+def test_modes_over_an_eight_rank_link_eager_and_replayed_equal_unsplit(mode_name):
+    """A rank of eight holds one of the eight experts and sends seven blocks per collective."""
+    _check_split_mode("float32", mode_name, link=True, world_size=8)
+
+
+def _check_split_mode(
+    dtype: str, mode_name: str, link: bool, graph_mode: CUDAGraphMode = CUDAGraphMode.FULL, world_size: int = 2
+) -> None:
     config, tol = CONFIGS[dtype]
-    ep_group = HostLink(2, bandwidth_gbps=20.0) if link else None
+    ep_group = HostLink(world_size, bandwidth_gbps=20.0) if link else None
     if link:
         ep_group.prepare("cuda")
     _check_mode(build_model(ModelConfig(**config), device="cuda", ep_group=ep_group), tol, mode_name, graph_mode)

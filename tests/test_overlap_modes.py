@@ -127,16 +127,20 @@ def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
     assert first_layer == ["start"] * 3 + ["shared", "wait"], events  # the row counts' exchange, a dispatch per group
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size):
+LINK_MODES = "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2,local,split2+local,split2+join+local"
+
+
+@pytest.mark.parametrize(
+    "world_size, names",
+    [(2, LINK_MODES), (4, LINK_MODES), (8, "overlap,split2,split3,split2+join,split3+join,local,split2+local")],
+)
+def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size, names):
     """Over a host link each rank holds 1/W of the experts and moves a W-rank world's bytes; its
-    values are one rank's, the same in every mode."""
+    values are one rank's, the same in every mode (with W = 8 a rank holds one expert: no groups)."""
     link = HostLink(world_size, bandwidth_gbps=50.0)
     model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=link)
     assert next(iter(model.moe_layers.values())).num_local_experts == 8 // world_size
-    check_modes_equal_unsplit(
-        model, 3, "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2,local,split2+local,split2+join+local"
-    )
+    check_modes_equal_unsplit(model, 3, names)
     assert link.bytes_moved > 0
 
 
