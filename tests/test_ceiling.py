@@ -91,9 +91,16 @@ def test_a_split_whose_rereads_outlast_the_transfer_has_a_negative_ceiling():
     assert got["efficiency_ceiling"] < 0  # 5.6 GB again (over 1 ms) to hide 0.4 ms
 
 
-@pytest.mark.parametrize("device, comm_ms", [(torch.device("cpu"), 3.0), (torch.device("cuda"), 0.0)])
-def test_no_ceiling_on_a_cpu_or_without_communication(device, comm_ms):
-    got = ceiling_fields(MOE, mode("split2"), MANY, compute_ms=4.0, comm_ms=comm_ms, unsplit_ms=7.0, device=device)
+@pytest.mark.parametrize(
+    "name, device, comm_ms",
+    [
+        ("split2", torch.device("cpu"), 3.0),
+        ("split2", torch.device("cuda"), 0.0),
+        ("unsplit", torch.device("cuda"), 3.0),
+    ],
+)
+def test_no_ceiling_for_the_unsplit_step_on_a_cpu_or_without_communication(name, device, comm_ms):
+    got = ceiling_fields(MOE, mode(name), MANY, compute_ms=4.0, comm_ms=comm_ms, unsplit_ms=7.0, device=device)
     assert got == {"reread_ms": None, "efficiency_ceiling": None}
 
 

@@ -66,9 +66,9 @@ def ceiling_fields(
 ) -> dict[str, Any]:
     """A report row's ``reread_ms`` (the extra weight bytes at the datasheet bandwidth) and
     ``efficiency_ceiling``: the efficiency of a step that takes ``compute_ms + reread_ms`` against
-    the run's ``unsplit_ms`` and ideal (capped at 1). None on a CPU, which the H200's bandwidth does
-    not describe, or without communication (no ideal to approach)."""
-    if getattr(device, "type", device) != "cuda" or not comm_ms > 0:
+    the run's ``unsplit_ms`` and ideal (capped at 1). None for the unsplit step itself, on a CPU,
+    which the H200's bandwidth does not describe, and without communication (no ideal to approach)."""
+    if mode == OverlapMode() or getattr(device, "type", device) != "cuda" or not comm_ms > 0:
         return {"reread_ms": None, "efficiency_ceiling": None}
     reread_ms = extra_weight_bytes(config, mode, num_tokens, ep_world=ep_world, tp_world=tp_world)
     reread_ms /= H200_HBM_GBPS_DATASHEET * 1e6
