@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone): on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -163,6 +163,22 @@ if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-gl
       --modes overlap,pipeline2,split2,split2+join,split2+join+pipeline2 --top 8 2>&1 | grep -v -i warn \
       | tee "$OUT/mode_kernels_${preset}_decode256_link5_fused.log"
   done
+fi
+if want modes_w8; then  # the stand-in at world size 8 (a rank holds 1/8 of the experts), M / C 0.9
+  ratio="python3 scripts/sweep_at_ratio.py --ratio 0.9 --world 8"
+  decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256"
+  timeout 150 $ratio --probe-gbps 14 --out "$OUT/modes_moe_decode256_w8.json" -- $decode --preset moe-bench \
+    --modes overlap,split2,split3,split2+join,split3+join 2>&1 | tail -9
+  timeout 170 $ratio --probe-gbps 24 --out "$OUT/modes_deepseek_decode256_w8.json" -- $decode --preset deepseek-bench \
+    --modes overlap,pipeline2,split2,split3,split2+join,split2+join+pipeline2 2>&1 | tail -10
+fi
+if want modes_w8_prefill; then  # the same for prefill, a call of its own
+  ratio="python3 scripts/sweep_at_ratio.py --ratio 0.9 --world 8"
+  prefill="--graphs --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096"
+  timeout 240 $ratio --probe-gbps 34 --out "$OUT/modes_moe_prefill4096_w8.json" -- $prefill --preset moe-bench \
+    --modes overlap,split2,split3 2>&1 | tail -7
+  timeout 270 $ratio --probe-gbps 40 --out "$OUT/modes_deepseek_prefill4096_w8.json" -- $prefill \
+    --preset deepseek-bench --modes overlap,pipeline2,split2,split3 2>&1 | tail -8
 fi
 if want flash; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \

@@ -1,6 +1,6 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
 lane sat idle, kernel families that grow when split, the schedule bound's limits, the
-first-use cost probe and the policy replay."""
+first-use cost probe, the policy replay and the sweep at a communication-to-compute ratio."""
 
 import gzip
 import importlib.util
@@ -30,6 +30,7 @@ schedule_bound = _load("schedule_bound")
 first_use_cost = _load("first_use_cost")
 replay_policy = _load("replay_policy")
 modes_table = _load("modes_table")
+sweep_at_ratio = _load("sweep_at_ratio")
 
 
 def _trace():
@@ -410,3 +411,40 @@ def test_modes_table_renders_a_committed_report_as_results_shows_it():
     split_report = json.loads((ROOT / "benchmarks/h200x2/dense_tp_prefill_graphs_nvlink_green.json").read_text())
     with pytest.raises(ValueError, match="not an overlap-modes report"):
         modes_table.render(split_report)
+
+
+def test_sweep_at_ratio_scales_the_probes_bandwidth_to_the_asked_ratio():
+    # M 6 ms at 10 GB/s against C 4 ms: M / C 0.5 needs M 2 ms, three times the bandwidth
+    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=None) == "host:30"
+    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=100.0) == "host:30"
+    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=32.0) == "host:", "past the copy engines"
+
+
+def test_sweep_at_ratio_probes_the_unsplit_step_of_the_sweeps_flags():
+    flags = ["--workload", "decode", "--modes", "split2,split2+join", "--tokens", "256"]
+    assert sweep_at_ratio.probe_flags(flags, "host:10:w8") == [
+        *["--workload", "decode", "--modes", "overlap", "--tokens", "256"],
+        *["--repeats", "3", "--link", "host:10:w8"],
+    ]
+    with pytest.raises(SystemExit, match="--modes"):
+        sweep_at_ratio.probe_flags(["--workload", "decode"], "host:10")
+
+
+def test_sweep_at_ratio_runs_the_sweep_at_the_probes_bandwidth_and_records_it(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    argv = ["--ratio", "0.5", "--world", "4", "--probe-gbps", "1", "--out", str(out), "--"]
+    sweep_at_ratio.main([*argv, "--preset", "tiny-moe", "--tokens", "16", "--modes", "split2", "--repeats", "1"])
+    report = json.loads(out.read_text())
+    probe = report["setup"]["link_ratio"]
+    expected = sweep_at_ratio.link_for_ratio(0.5, 1.0, probe["probe_compute_ms"], probe["probe_comm_ms"], None)
+    assert probe["link"] == report["args"]["link"] == f"{expected}:w4"
+    assert [row["mode"] for row in report["results"]] == ["unsplit", "split2"]
+    assert f"asks --link {probe['link']}" in capsys.readouterr().out
+
+
+def test_sweep_at_ratio_sets_the_link_itself(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep_at_ratio.main(
+            ["--ratio", "0.9", "--out", str(tmp_path / "x.json"), "--", "--modes", "split2", "--link", "host"]
+        )
+    assert "the script sets --link" in capsys.readouterr().err

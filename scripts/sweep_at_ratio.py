@@ -1,0 +1,83 @@
+"""ubatch-bench over the link stand-in at the bandwidth that makes the step's communication a given
+share of its compute (M / C), so a sweep lands in a named regime ("communication 90% of compute")
+instead of at a guessed bandwidth: a short probe of the unsplit step at --probe-gbps measures C and
+M, M scales as 1 / bandwidth, and the sweep runs at the bandwidth that gives the asked ratio (the
+copy engines' own speed where that is faster than they go). The sweep's report carries the probe
+under ``setup.link_ratio``; its own C and M say what ratio it reached.
+
+    python scripts/sweep_at_ratio.py --ratio 0.9 --world 8 --out report.json -- \\
+        --graphs --workload decode --tokens 256 --preset moe-bench --modes split2,split2+join
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROBE_REPEATS = 3
+COPY_ENGINE_SHARE = 0.9  # above this share of the copy engines' speed the pacing has no room left
+
+
+def bench(flags: list[str], out: Path) -> dict:
+    """One ubatch-bench run in its own process (graphs and streams start fresh), its report."""
+    result = subprocess.run([sys.executable, "-m", "ubatch.bench", *flags, "--out", str(out)], text=True)
+    if result.returncode:
+        raise SystemExit(f"ubatch-bench {' '.join(flags)} failed with exit code {result.returncode}")
+    return json.loads(out.read_text())
+
+
+def probe_flags(flags: list[str], link: str) -> list[str]:
+    """The sweep's flags for a short run of the unsplit step alone over ``link``."""
+    if "--modes" not in flags:
+        raise SystemExit("give the sweep's --modes: the probe times the unsplit step of a --modes run")
+    probe = list(flags)
+    probe[probe.index("--modes") + 1] = "overlap"  # every --modes run times unsplit first
+    return [*probe, "--repeats", str(PROBE_REPEATS), "--link", link]
+
+
+def link_for_ratio(ratio: float, probe_gbps: float, compute_ms: float, comm_ms: float, copy_gbps: float | None) -> str:
+    """The bandwidth that scales the probe's M to ``ratio`` times its C, as a --link value without
+    the world size; "" (the copy engines' speed) where that is as fast as they go."""
+    gbps = probe_gbps * comm_ms / (ratio * compute_ms)
+    if copy_gbps is not None and gbps >= COPY_ENGINE_SHARE * copy_gbps:
+        return "host:"
+    return f"host:{gbps:.3g}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ratio", type=float, required=True, help="M / C to aim at, e.g. 0.9")
+    p.add_argument("--world", type=int, default=2, help="the stand-in's world size W (default 2)")
+    p.add_argument("--probe-gbps", type=float, default=10.0, help="bandwidth of the probe run")
+    p.add_argument("--out", type=Path, required=True, help="the sweep's report")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the sweep's ubatch-bench flags, with --modes")
+    args = p.parse_args(argv)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if not args.ratio > 0 or not args.probe_gbps > 0 or args.world < 1:
+        p.error("--ratio and --probe-gbps must be > 0 and --world >= 1")
+    if "--link" in flags:
+        p.error("the script sets --link; give --world and --ratio instead")
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = bench(probe_flags(flags, f"host:{args.probe_gbps:g}:w{args.world}"), Path(tmp) / "probe.json")
+    unsplit = next(row for row in probe["results"] if row["mode"] == "unsplit")
+    c, m = unsplit["compute_ms"], unsplit["comm_ms"]
+    copy_gbps = probe["setup"].get("link", {}).get("copy_engine_gbps")
+    link = f"{link_for_ratio(args.ratio, args.probe_gbps, c, m, copy_gbps)}:w{args.world}"
+    print(f"probe at {args.probe_gbps:g} GB/s: C {c:.3f} ms, M {m:.3f} ms; M / C {args.ratio:g} asks --link {link}")
+    report = bench([*flags, "--link", link], args.out)
+    report["setup"]["link_ratio"] = {
+        "asked": args.ratio,
+        "probe_gbps": args.probe_gbps,
+        "probe_compute_ms": c,
+        "probe_comm_ms": m,
+        "link": link,
+    }
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
