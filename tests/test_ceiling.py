@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ubatch.bench.ceiling import ceiling_fields, extra_weight_bytes
-from ubatch.bench.roofline import H200_HBM_GBPS_DATASHEET
+from ubatch.bench.roofline import GPU_CEILINGS
 from ubatch.models.config import ModelConfig
 from ubatch.overlap import OverlapMode
 
@@ -19,6 +19,7 @@ DOWN_BYTES = 8 * 16 * 2  # one MLP projection; gate, up and down are three
 MOE = DENSE.replace(num_experts=4, top_k=2, moe_intermediate_size=16)
 EXPERT_BYTES = 3 * 8 * 16 * 2
 ROUTER_BYTES = 4 * 8 * 4
+H200 = GPU_CEILINGS["H200"]
 MANY = 4096  # tokens enough that every expert receives a row (in expectation, to within 0.5^4096)
 
 
@@ -69,38 +70,34 @@ def test_own_rows_first_reads_each_expert_stage_twice_but_changes_nothing_on_one
 
 
 def test_ceiling_is_the_efficiency_of_the_unsplit_compute_plus_the_reread_time():
-    reread_ms = extra_weight_bytes(MOE, mode("split2"), MANY) / (H200_HBM_GBPS_DATASHEET * 1e6)
-    got = ceiling_fields(
-        MOE, mode("split2"), MANY, compute_ms=4.0, comm_ms=3.0, unsplit_ms=7.5, device=torch.device("cuda")
-    )
+    reread_ms = extra_weight_bytes(MOE, mode("split2"), MANY) / (4800 * 1e6)  # an H200's datasheet bandwidth
+    got = ceiling_fields(MOE, mode("split2"), MANY, compute_ms=4.0, comm_ms=3.0, unsplit_ms=7.5, ceilings=H200)
     ideal = 7.0 / 4.0
     assert got["reread_ms"] == pytest.approx(reread_ms, abs=1e-4)
     assert got["efficiency_ceiling"] == pytest.approx(min(1.0, (7.5 / (4.0 + reread_ms) - 1) / (ideal - 1)), abs=1e-4)
     # a mode that reads nothing again can at most reach the ideal
-    once = ceiling_fields(
-        MOE, mode("pipeline2"), MANY, compute_ms=4.0, comm_ms=3.0, unsplit_ms=7.5, device=torch.device("cuda")
-    )
+    once = ceiling_fields(MOE, mode("pipeline2"), MANY, compute_ms=4.0, comm_ms=3.0, unsplit_ms=7.5, ceilings=H200)
     assert once == {"reread_ms": 0.0, "efficiency_ceiling": 1.0}
 
 
 def test_a_split_whose_rereads_outlast_the_transfer_has_a_negative_ceiling():
     big = ModelConfig.preset("moe-bench", num_layers=4)
-    got = ceiling_fields(
-        big, mode("split2"), 256, compute_ms=4.0, comm_ms=0.4, unsplit_ms=4.4, device=torch.device("cuda")
-    )
+    got = ceiling_fields(big, mode("split2"), 256, compute_ms=4.0, comm_ms=0.4, unsplit_ms=4.4, ceilings=H200)
     assert got["efficiency_ceiling"] < 0  # 5.6 GB again (over 1 ms) to hide 0.4 ms
 
 
+def test_a_slower_gpu_reads_the_same_bytes_again_more_slowly():
+    args = (MOE, mode("split2"), MANY)
+    kwargs = dict(compute_ms=4.0, comm_ms=3.0, unsplit_ms=7.5)
+    h100 = ceiling_fields(*args, **kwargs, ceilings=GPU_CEILINGS["H100"])
+    assert h100["reread_ms"] == pytest.approx(ceiling_fields(*args, **kwargs, ceilings=H200)["reread_ms"] * 4800 / 3350)
+
+
 @pytest.mark.parametrize(
-    "name, device, comm_ms",
-    [
-        ("split2", torch.device("cpu"), 3.0),
-        ("split2", torch.device("cuda"), 0.0),
-        ("unsplit", torch.device("cuda"), 3.0),
-    ],
+    "name, ceilings, comm_ms", [("split2", None, 3.0), ("split2", H200, 0.0), ("unsplit", H200, 3.0)]
 )
-def test_no_ceiling_for_the_unsplit_step_on_a_cpu_or_without_communication(name, device, comm_ms):
-    got = ceiling_fields(MOE, mode(name), MANY, compute_ms=4.0, comm_ms=comm_ms, unsplit_ms=7.0, device=device)
+def test_no_ceiling_for_the_unsplit_step_without_gpu_rates_or_without_communication(name, ceilings, comm_ms):
+    got = ceiling_fields(MOE, mode(name), MANY, compute_ms=4.0, comm_ms=comm_ms, unsplit_ms=7.0, ceilings=ceilings)
     assert got == {"reread_ms": None, "efficiency_ceiling": None}
 
 

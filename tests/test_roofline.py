@@ -1,4 +1,5 @@
-"""step_roofline: hand-counted bytes and FLOPs of tiny dense and MoE steps, monotonic in tokens, bad input."""
+"""step_roofline: hand-counted bytes and FLOPs of tiny dense and MoE steps, monotonic in tokens, bad input; each
+GPU's ceilings."""
 
 import math
 
@@ -8,10 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ubatch.bench.roofline import (
+    GPU_CEILINGS,
     H200_BF16_MATMUL_TFLOPS_MEASURED,
     H200_COPY_GBPS_MEASURED,
     Roofline,
+    ceilings_for,
+    device_ceilings,
     format_roofline,
+    roofline_fields,
     step_roofline,
 )
 from ubatch.models.config import ModelConfig
@@ -190,3 +195,40 @@ def test_fraction_rejects_bad_times(measured):
     r = step_roofline(DENSE, num_tokens=1, num_reqs=1, context_len_per_req=0)
     with pytest.raises(ValueError, match="measured_ms"):
         r.fraction(measured)
+
+
+def test_each_gpu_is_rated_at_its_own_ceilings_and_an_unknown_one_at_none():
+    assert ceilings_for("NVIDIA H200") is GPU_CEILINGS["H200"]
+    assert ceilings_for("NVIDIA H100 80GB HBM3") is GPU_CEILINGS["H100"]
+    assert ceilings_for("NVIDIA A100-SXM4-80GB") is None
+    assert device_ceilings(torch.device("cpu")) is None
+    h100, h200 = GPU_CEILINGS["H100"], GPU_CEILINGS["H200"]
+    assert h100.copy_gbps < h200.copy_gbps and h100.hbm_gbps_datasheet < h200.hbm_gbps_datasheet
+
+
+def test_a_rows_roofline_uses_the_gpus_ceilings_and_none_without_them():
+    class Metadata:  # three decodes with 5, 6 and 7 cached tokens
+        seq_lens_cpu = torch.tensor([6, 7, 8])
+
+        @staticmethod
+        def query_lens():
+            return [1, 1, 1]
+
+    h100 = GPU_CEILINGS["H100"]
+    got = roofline_fields(MOE, Metadata(), 2.0, ceilings=h100)
+    expected = step_roofline(
+        MOE,
+        num_tokens=3,
+        num_reqs=3,
+        context_len_per_req=[5, 6, 7],
+        query_len_per_req=[1, 1, 1],
+        hbm_gbps=h100.copy_gbps,
+        peak_tflops=h100.matmul_tflops,
+    )
+    assert got["roofline_ms"] == pytest.approx(expected.floor_ms, abs=1e-4)
+    assert got["roofline_fraction"] == pytest.approx(expected.floor_ms / 2.0, abs=1e-4)
+    assert roofline_fields(MOE, Metadata(), 2.0, ceilings=None) == {
+        "roofline_ms": None,
+        "roofline_bound": None,
+        "roofline_fraction": None,
+    }

@@ -5,7 +5,7 @@ experts, a dense MLP), and unless their expert stages are joined each ubatch rea
 expert its own tokens reach. Own rows first runs each expert stage as two GEMM calls, and chunked
 all-reduces run each row-parallel projection as one GEMM per chunk: each call reads its weights.
 No schedule hides those bytes: even with every transfer hidden and nothing else slower, the mode's
-step takes the unsplit step's compute plus their time at the device's datasheet bandwidth (a
+step takes the unsplit step's compute plus their time at the GPU's datasheet bandwidth (a
 read no kernel beats). ``efficiency_ceiling`` turns that floor into the highest efficiency the mode
 can reach in the run that measured C, M and the unsplit step: where it is below a target, no
 schedule of that mode meets the target there. Expected expert counts follow ``roofline``'s uniform
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ubatch.bench.roofline import H200_HBM_GBPS_DATASHEET, touched_experts
+from ubatch.bench.roofline import Ceilings, touched_experts
 from ubatch.models.config import ModelConfig
 from ubatch.overlap import OverlapMode
 
@@ -60,18 +60,19 @@ def ceiling_fields(
     compute_ms: float,
     comm_ms: float,
     unsplit_ms: float,
-    device: Any,
+    ceilings: Ceilings | None,
     ep_world: int = 1,
     tp_world: int = 1,
 ) -> dict[str, Any]:
-    """A report row's ``reread_ms`` (the extra weight bytes at the datasheet bandwidth) and
-    ``efficiency_ceiling``: the efficiency of a step that takes ``compute_ms + reread_ms`` against
-    the run's ``unsplit_ms`` and ideal (capped at 1). None for the unsplit step itself, on a CPU,
-    which the H200's bandwidth does not describe, and without communication (no ideal to approach)."""
-    if mode == OverlapMode() or getattr(device, "type", device) != "cuda" or not comm_ms > 0:
+    """A report row's ``reread_ms`` (the extra weight bytes at the datasheet bandwidth of
+    ``ceilings``, ``roofline.device_ceilings``) and ``efficiency_ceiling``: the efficiency of a step
+    that takes ``compute_ms + reread_ms`` against the run's ``unsplit_ms`` and ideal (capped at 1).
+    None for the unsplit step itself, without ceilings (a CPU, a GPU not measured here), and
+    without communication (no ideal to approach)."""
+    if mode == OverlapMode() or ceilings is None or not comm_ms > 0:
         return {"reread_ms": None, "efficiency_ceiling": None}
     reread_ms = extra_weight_bytes(config, mode, num_tokens, ep_world=ep_world, tp_world=tp_world)
-    reread_ms /= H200_HBM_GBPS_DATASHEET * 1e6
+    reread_ms /= ceilings.hbm_gbps_datasheet * 1e6
     ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms)
     best = min(ideal, unsplit_ms / (compute_ms + reread_ms))
     return {"reread_ms": round(reread_ms, 4), "efficiency_ceiling": round(min(1.0, (best - 1) / (ideal - 1)), 4)}

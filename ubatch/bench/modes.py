@@ -30,7 +30,7 @@ from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
-from ubatch.bench.roofline import roofline_fields, shard_worlds
+from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
@@ -441,6 +441,7 @@ def modes_report(
     skipped = [m.name for m in args.modes if m not in modes]
     graph_mode = GRAPH_MODES[args.workload] if args.graphs else None
     ep_world, tp_world = shard_worlds(model)
+    ceilings = device_ceilings(model.device)
     by_name = {mode.name: mode for mode in modes}
     results, points = [], []
     for tokens in args.tokens:
@@ -467,7 +468,7 @@ def modes_report(
                     "label": args.label,
                     **row,
                     **roofline_fields(
-                        config, md, row["median_ms"], device=model.device, ep_world=ep_world, tp_world=tp_world
+                        config, md, row["median_ms"], ceilings=ceilings, ep_world=ep_world, tp_world=tp_world
                     ),
                     **ceiling_fields(
                         config,
@@ -476,7 +477,7 @@ def modes_report(
                         compute_ms=sweep["compute_ms"],
                         comm_ms=sweep["comm_ms"],
                         unsplit_ms=sweep["timings"]["unsplit"].median_ms,
-                        device=model.device,
+                        ceilings=ceilings,
                         ep_world=ep_world,
                         tp_world=tp_world,
                     ),

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ubatch.models.config import ModelConfig
 from ubatch.models.layers import check_divisible, group_rank_world
 
@@ -39,8 +41,43 @@ H200_BF16_DENSE_TFLOPS_DATASHEET = 990.0
 # 769-798 TFLOP/s on random data (about 790, the device README's figure). The defaults below.
 H200_COPY_GBPS_MEASURED = 4300.0
 H200_BF16_MATMUL_TFLOPS_MEASURED = 790.0
+# One-GPU H100 (80 GB HBM3) machines of this workplace (KINDS.md, 2026-11-13): the same copy moved about 3.0 TB/s and
+# the product ran at 798 TFLOP/s; the datasheet gives 3.35 TB/s.
+H100_HBM_GBPS_DATASHEET = 3350.0
+H100_COPY_GBPS_MEASURED = 3000.0
+H100_BF16_MATMUL_TFLOPS_MEASURED = 790.0
 
 _ROUTER_BYTES = 4  # MoEFFN keeps its router weight in float32
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """One GPU's rates: the measured copy (bytes read plus written per second, GB/s) and matrix
+    product (TFLOP/s) a step's roofline is timed at, and the datasheet's memory bandwidth, which no
+    kernel's reads beat (``ubatch.bench.ceiling``)."""
+
+    copy_gbps: float
+    matmul_tflops: float
+    hbm_gbps_datasheet: float
+
+
+GPU_CEILINGS = {
+    "H200": Ceilings(H200_COPY_GBPS_MEASURED, H200_BF16_MATMUL_TFLOPS_MEASURED, H200_HBM_GBPS_DATASHEET),
+    "H100": Ceilings(H100_COPY_GBPS_MEASURED, H100_BF16_MATMUL_TFLOPS_MEASURED, H100_HBM_GBPS_DATASHEET),
+}
+
+
+def ceilings_for(device_name: str) -> Ceilings | None:
+    """The ceilings of a GPU by its name (``torch.cuda.get_device_name``); None for one whose rates
+    were never measured here, whose report rows then carry no roofline rather than another GPU's."""
+    return next((c for key, c in GPU_CEILINGS.items() if key in device_name), None)
+
+
+def device_ceilings(device: Any) -> Ceilings | None:
+    """``ceilings_for`` the CUDA device ``device``; None on a CPU."""
+    if getattr(device, "type", device) != "cuda":
+        return None
+    return ceilings_for(torch.cuda.get_device_name(device))
 
 
 @dataclass(frozen=True)
@@ -223,11 +260,18 @@ def _check_rate(name: str, value: Any) -> None:
 
 
 def roofline_fields(
-    config: ModelConfig, metadata: Any, measured_ms: float, *, device: Any, ep_world: int = 1, tp_world: int = 1
+    config: ModelConfig,
+    metadata: Any,
+    measured_ms: float,
+    *,
+    ceilings: Ceilings | None,
+    ep_world: int = 1,
+    tp_world: int = 1,
 ) -> dict[str, Any]:
-    """A bench row's roofline columns for a step measured at ``measured_ms``, from its attention
-    metadata; None on a CPU, which the H200 ceilings do not describe."""
-    if getattr(device, "type", device) != "cuda":
+    """A bench row's roofline columns for a step measured at ``measured_ms`` on a GPU of
+    ``ceilings`` (``device_ceilings``), from its attention metadata; None without them (a CPU, a
+    GPU not measured here)."""
+    if ceilings is None:
         return {"roofline_ms": None, "roofline_bound": None, "roofline_fraction": None}
     query_lens = metadata.query_lens()
     contexts = [s - q for s, q in zip(metadata.seq_lens_cpu.tolist(), query_lens)]
@@ -239,6 +283,8 @@ def roofline_fields(
         query_len_per_req=query_lens,
         ep_world=ep_world,
         tp_world=tp_world,
+        hbm_gbps=ceilings.copy_gbps,
+        peak_tflops=ceilings.matmul_tflops,
     )
     return {
         "roofline_ms": round(roofline.floor_ms, 4),

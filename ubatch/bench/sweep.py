@@ -26,7 +26,7 @@ from ubatch.bench.modes import modes_report
 from ubatch.bench.options import MeasuredCapacityArg, model_overrides
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.report import environment, plot_title
-from ubatch.bench.roofline import roofline_fields, shard_worlds
+from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
 from ubatch.bench.schedule import schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     config,
                     step_at(tokens).attn_metadata[model.layer_names[0]],
                     m.baseline_ms,
-                    device=device,
+                    ceilings=device_ceilings(device),
                     ep_world=ep_world,
                     tp_world=tp_world,
                 ),
