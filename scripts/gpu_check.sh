@@ -164,8 +164,8 @@ if want modes_fused; then  # the decode sweeps with the glue compiled (--fuse-gl
       | tee "$OUT/mode_kernels_${preset}_decode256_link5_fused.log"
   done
 fi
+ratio="python3 scripts/sweep_at_ratio.py --ratio 0.9 --world 8"
 if want modes_w8; then  # the stand-in at world size 8 (a rank holds 1/8 of the experts), M / C 0.9
-  ratio="python3 scripts/sweep_at_ratio.py --ratio 0.9 --world 8"
   decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256"
   timeout 150 $ratio --probe-gbps 14 --out "$OUT/modes_moe_decode256_w8.json" -- $decode --preset moe-bench \
     --modes overlap,split2,split3,split2+join,split3+join 2>&1 | tail -9
@@ -173,7 +173,6 @@ if want modes_w8; then  # the stand-in at world size 8 (a rank holds 1/8 of the 
     --modes overlap,pipeline2,split2,split3,split2+join,split2+join+pipeline2 2>&1 | tail -10
 fi
 if want modes_w8_prefill; then  # the same for prefill, a call of its own
-  ratio="python3 scripts/sweep_at_ratio.py --ratio 0.9 --world 8"
   prefill="--graphs --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096"
   timeout 240 $ratio --probe-gbps 34 --out "$OUT/modes_moe_prefill4096_w8.json" -- $prefill --preset moe-bench \
     --modes overlap,split2,split3 2>&1 | tail -7

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ubatch.bench.roofline import Ceilings, touched_experts
+from ubatch.bench.roofline import Ceilings, even_parts, layer_weights, touched_experts
 from ubatch.models.config import ModelConfig
 from ubatch.overlap import OverlapMode
 
@@ -28,27 +28,16 @@ def extra_weight_bytes(
     for a step of ``num_tokens`` tokens on that rank split into ``mode.num_ubatches`` equal parts."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < mode.num_ubatches:
         raise ValueError(f"num_tokens must be an int >= {mode.num_ubatches} (one per ubatch), got {num_tokens!r}")
-    elt, hidden, n = config.dtype.itemsize, config.hidden_size, mode.num_ubatches
-    q_dim = config.num_heads * config.head_dim // tp_world
-    kv_dim = config.num_kv_heads * config.head_dim // tp_world
-    projection_out = q_dim * hidden * elt  # row-parallel: the attention's output projection
-    per_ubatch = hidden * (q_dim + 2 * kv_dim) * elt + projection_out + 2 * hidden * elt
-    if config.kind == "dense":
-        down = hidden * config.intermediate_size // tp_world * elt
-        per_ubatch += 3 * down
-        chunked = projection_out + down
-    else:
-        shared = config.num_shared_experts * config.moe_intermediate_size // tp_world
-        per_ubatch += config.num_experts * hidden * 4 + 3 * hidden * shared * elt  # float32 router
-        chunked = projection_out
+    n, weights = mode.num_ubatches, layer_weights(config, tp_world)
+    per_ubatch = weights.attention + weights.norms + weights.mlp + weights.router + weights.shared
+    chunked = weights.attention_out + weights.mlp_down  # row-parallel: one GEMM per all-reduce chunk
     extra = (n - 1) * per_ubatch + n * (mode.all_reduce_chunks - 1) * chunked
     if config.kind == "moe":
-        expert = 3 * hidden * config.moe_intermediate_size * elt
-        stages = [num_tokens] if mode.join_experts else _parts(num_tokens, n)
+        stages = [num_tokens] if mode.join_experts else even_parts(num_tokens, n)
         reads = sum(touched_experts(config, tokens, ep_world) for tokens in stages)
         if mode.local_first and ep_world > 1:
             reads *= 2  # own rows, then the other ranks' rows: two GEMM calls per stage
-        extra += (reads - touched_experts(config, num_tokens, ep_world)) * expert
+        extra += (reads - touched_experts(config, num_tokens, ep_world)) * weights.expert
     return config.num_layers * extra
 
 
@@ -76,8 +65,3 @@ def ceiling_fields(
     ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms)
     best = min(ideal, unsplit_ms / (compute_ms + reread_ms))
     return {"reread_ms": round(reread_ms, 4), "efficiency_ceiling": round(min(1.0, (best - 1) / (ideal - 1)), 4)}
-
-
-def _parts(total: int, n: int) -> list[int]:
-    base, extra = divmod(total, n)
-    return [base + 1] * extra + [base] * (n - extra)

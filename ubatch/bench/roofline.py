@@ -178,11 +178,11 @@ def step_roofline(
     hidden, layers, tokens = config.hidden_size, config.num_layers, num_tokens
     q_dim = config.num_heads * config.head_dim // tp_world
     kv_dim = config.num_kv_heads * config.head_dim // tp_world
-    attn_weights = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+    weights = layer_weights(config, tp_world)
     query_key_pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(queries, contexts))
-    layer_flops = 2 * tokens * attn_weights + 4 * query_key_pairs * q_dim
-    layer_weight_bytes = attn_weights * elt + 2 * hidden * elt
-    ffn_weight_bytes, ffn_flops = _ffn(config, tokens, ep_world, tp_world)
+    layer_flops = 2 * tokens * weights.attention // elt + 4 * query_key_pairs * q_dim
+    layer_weight_bytes = weights.attention + weights.norms
+    ffn_weight_bytes, ffn_flops = _ffn(config, weights, tokens, ep_world, tp_world)
     layer_weight_bytes += ffn_weight_bytes
     layer_flops += ffn_flops
 
@@ -201,16 +201,52 @@ def step_roofline(
     )
 
 
-def _ffn(config: ModelConfig, tokens: int, ep_world: int, tp_world: int) -> tuple[float, float]:
-    """(weight bytes, FLOPs) of one layer's feed-forward block on one rank."""
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weight bytes on one rank of ``tp_world``, by what reads them: the attention's
+    projections (QKV and output) and, of them, the row-parallel output projection; the two norms;
+    a dense model's MLP and its row-parallel down projection; a MoE's float32 router, shared
+    experts and one routed expert (zero where the model has none)."""
+
+    attention: int
+    attention_out: int
+    norms: int
+    mlp: int
+    mlp_down: int
+    router: int
+    shared: int
+    expert: int
+
+
+def layer_weights(config: ModelConfig, tp_world: int = 1) -> LayerWeights:
+    """``LayerWeights`` of ``config`` on one rank of ``tp_world``."""
     elt, hidden = config.dtype.itemsize, config.hidden_size
+    q_dim = config.num_heads * config.head_dim // tp_world
+    kv_dim = config.num_kv_heads * config.head_dim // tp_world
+    attention_out = q_dim * hidden * elt
+    moe = config.kind == "moe"
+    down = 0 if moe else hidden * config.intermediate_size // tp_world * elt
+    shared_inter = config.num_shared_experts * config.moe_intermediate_size // tp_world
+    return LayerWeights(
+        attention=hidden * (q_dim + 2 * kv_dim) * elt + attention_out,
+        attention_out=attention_out,
+        norms=2 * hidden * elt,
+        mlp=3 * down,
+        mlp_down=down,
+        router=config.num_experts * hidden * _ROUTER_BYTES if moe else 0,
+        shared=3 * hidden * shared_inter * elt,
+        expert=3 * hidden * config.moe_intermediate_size * elt,
+    )
+
+
+def _ffn(config: ModelConfig, weights: LayerWeights, tokens: int, ep_world: int, tp_world: int) -> tuple[float, float]:
+    """(weight bytes, FLOPs) of one layer's feed-forward block on one rank."""
+    hidden = config.hidden_size
     if config.kind == "dense":
-        inter = config.intermediate_size // tp_world
-        return 3 * hidden * inter * elt, 2 * tokens * 3 * hidden * inter
+        return weights.mlp, 2 * tokens * 3 * hidden * (config.intermediate_size // tp_world)
     experts, k, inter = config.num_experts, config.top_k, config.moe_intermediate_size
     shared_inter = config.num_shared_experts * inter // tp_world
-    touched = touched_experts(config, tokens, ep_world)
-    weight_bytes = experts * hidden * _ROUTER_BYTES + (touched * 3 * hidden * inter + 3 * hidden * shared_inter) * elt
+    weight_bytes = weights.router + touched_experts(config, tokens, ep_world) * weights.expert + weights.shared
     flops = 2 * tokens * (experts * hidden + 3 * hidden * (k * inter + shared_inter))
     return weight_bytes, flops
 
@@ -222,10 +258,15 @@ def touched_experts(config: ModelConfig, tokens: int, ep_world: int) -> float:
     return experts / ep_world * (1.0 - (1.0 - k / experts) ** (ep_world * tokens))
 
 
+def even_parts(total: int, parts: int) -> list[int]:
+    """``total`` cut into ``parts`` sizes as even as possible, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
 def _query_lens(num_tokens: int, num_reqs: int, query_len_per_req: Sequence[int] | None) -> list[int]:
     if query_len_per_req is None:
-        base, extra = divmod(num_tokens, num_reqs)
-        return [base + 1] * extra + [base] * (num_reqs - extra)
+        return even_parts(num_tokens, num_reqs)
     queries = _int_list("query_len_per_req", query_len_per_req, num_reqs, minimum=1)
     if sum(queries) != num_tokens:
         raise ValueError(f"query_len_per_req sums to {sum(queries)}, not num_tokens ({num_tokens})")

@@ -103,6 +103,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         attn_backend=attention,
     )
     ep_world, tp_world = shard_worlds(model)
+    ceilings = device_ceilings(device)
     partition = SMPartition(args.sm_partition, args.comm_sms, device)
     if world > 1:
         partition.setup([group])
@@ -179,7 +180,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     config,
                     step_at(tokens).attn_metadata[model.layer_names[0]],
                     m.baseline_ms,
-                    ceilings=device_ceilings(device),
+                    ceilings=ceilings,
                     ep_world=ep_world,
                     tp_world=tp_world,
                 ),
