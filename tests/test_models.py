@@ -213,6 +213,38 @@ def test_expert_capacity_pads_small_experts_to_a_step_and_leaves_large_ones_to_t
     assert layer.expert_capacity(num_tokens=16, num_rows=64) is None  # no row may be dropped
 
 
+@pytest.mark.parametrize("rows", [40, expert_compute.ONE_EXPERT_PLAIN_MAX_ROWS + 1])
+def test_a_group_of_one_expert_on_the_grouped_path_equals_the_masked_loop(rows):
+    """One expert per group (a rank of a world as wide as the experts): up to
+    ``ONE_EXPERT_PLAIN_MAX_ROWS`` its down projection runs over the first len(x) sorted rows, which
+    hold every pair of it, whatever the other experts; past it, the grouped GEMM over them all."""
+    from ubatch.models.gather_sum import gather_sum
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 16, generator=g)
+    ids = torch.randint(-1, 4, (rows, 2), generator=g)
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], -1, ids[:, 1])  # a token's experts are distinct
+    weights = torch.rand(rows, 2, generator=g)
+    w13, w2 = torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
+    for first in range(4):
+        one = slice(first, first + 1)
+        out, position, kept = expert_compute.group_outputs(
+            x,
+            ids,
+            weights,
+            w13[one],
+            w2[one],
+            first=first,
+            capacity=None,
+            use_grouped_mm=True,
+            dropped=torch.zeros((), dtype=torch.int64),
+        )
+        assert len(out) == (rows if rows <= expert_compute.ONE_EXPERT_PLAIN_MAX_ROWS else ids.numel())
+        local = torch.where(ids == first, 0, -1)
+        expected = expert_compute.masked_experts(x, local, weights, w13[one], w2[one])
+        torch.testing.assert_close(gather_sum(out, position, kept).float(), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_expert_groups_on_the_padded_gemm_equal_one_group_on_the_grouped_gemm(monkeypatch):
     """Between ``PADDED_MAX_ROWS`` and ``PADDED_MAX_ROWS_PIPELINED`` rows per expert one group runs
     the grouped GEMM and two groups the padded bmm: the same output, and nothing dropped."""

@@ -6,7 +6,9 @@ paths:
   is a weight read, and the padding rows ride along;
 - grouped: ``torch._grouped_mm`` over the rows sorted by expert (on CUDA by a counting sort in
   two Triton kernels, ``expert_rows.sort_by_expert_kernel``), where no row may be dropped or an
-  expert has many rows;
+  expert has many rows; with one expert (a rank of an expert-parallel world as wide as the
+  experts) and few rows (``ONE_EXPERT_PLAIN_MAX_ROWS``), its down projection is a plain GEMM
+  over every received row instead;
 - masked: every expert over every row, a static-shape loop where grouped GEMM is unsupported.
 """
 
@@ -27,6 +29,13 @@ PADDED_MAX_ROWS = 128
 capacity reads the weights at ~3.8-4.0 TB/s on an H200, where the grouped GEMM reaches 2.6-3.0
 (16-64 rows; scripts/bench_expert_gemm.py): at these sizes the GEMM is a weight read, and the
 padding rows ride along for free. Capacities are rounded up to ``PADDED_ROWS_STEP``."""
+ONE_EXPERT_PLAIN_MAX_ROWS = 1024
+"""Up to this many received rows, one expert's down projection is a plain GEMM over all of them,
+padding rows included: its output is only hidden-wide, so at a few hundred rows
+``torch._grouped_mm``'s large tiles leave most SMs idle (0.16 ms at 128-256 rows where
+``torch.bmm`` takes 0.074-0.076, 0.18 against 0.11 at 512; one H100, scripts/bench_expert_gemm.py
+at e31f938, benchmarks/h100/expert_gemm_run15). Past about a thousand rows the grouped GEMM has tiles
+for every SM, and the padding rows would cost the plain one FLOPs (prefill)."""
 PADDED_MAX_ROWS_PIPELINED = 256
 """The same limit where the experts run in groups (``expert_chunks`` > 1): one grouped GEMM per
 group costs ~0.17 ms more per layer above 128 rows per expert, one batched GEMM per group only
@@ -134,6 +143,10 @@ def grouped_experts(
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
     # Rows past the last offset are padding: neither grouped GEMM reads them, nor does swiglu.
     hidden = swiglu(gate_up, offsets[-1:], zero_padding=False)
+    if n == 1 and len(x) <= ONE_EXPERT_PLAIN_MAX_ROWS:
+        # A row holds at most one pair of the one expert, so its rows are among the first len(x);
+        # the padding rows' outputs are never read.
+        return F.linear(hidden[: len(x)], w2[0]), position
     return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets), position
 
 
