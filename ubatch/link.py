@@ -38,7 +38,7 @@ chunk a collective has the D2H stream copy padding bytes from a device scratch b
 memory, so every payload, large or small, takes its bytes over the set bandwidth (plus the
 copies' own latency), no SM runs anything for it, and the pacing does not depend on what the SMs
 are doing. The padding is ``pad_ratio`` times the payload (the copy engines' rate over the set
-bandwidth, corrected once from a padded measurement) less the last chunk, whose H2D runs after
+bandwidth, corrected from padded measurements until one lands within 5% of it) less the last chunk, whose H2D runs after
 the D2H engine is done. Because that tail is paid for, a paced link cuts a payload into as few
 chunks as the padding can cover (two where the ratio allows): a real collective costs the host one
 launch, and the stand-in should cost it few, since pipelined modes issue dozens per step.
@@ -77,6 +77,8 @@ CALIBRATION_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() r
 CALIBRATION_REPEATS = 4
 HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait while the host enqueues
 MAX_PAD_CHUNKS = 4  # the padding scratch buffers hold at most this many chunks (more padding: more copies)
+PAD_CORRECTIONS = 3  # padded calibration measurements at most, each correcting the padding
+PAD_TOLERANCE = 0.05  # a padded measurement this close to the set bandwidth ends the correction
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -202,15 +204,25 @@ class _CudaStaging:
         self.pad_src = self.pad_dst = torch.empty(0, dtype=torch.uint8)
         self.copy_gbps = self._measure(CALIBRATION_BYTES[-1])
         if bandwidth_gbps is not None and bandwidth_gbps < self.copy_gbps:
-            self.pad_ratio = self.copy_gbps / bandwidth_gbps - 1
-            # As few chunks as the padding can pay the last one's H2D for: 1 / pad_ratio of them.
-            self.min_pieces = min(MIN_PIECES, max(PACED_MIN_PIECES, math.ceil(1 / self.pad_ratio)))
-            pad_bytes = chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio * RING_SLOTS))
-            self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=device)
-            self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
-            # One correction from a padded measurement: padding shares the engine's per-copy costs.
-            self.pad_ratio = (1 + self.pad_ratio) * self._measure(CALIBRATION_BYTES[-1]) / bandwidth_gbps - 1
+            self._pace(bandwidth_gbps)
         self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
+
+    def _pace(self, bandwidth_gbps: float) -> None:
+        """Set the padding that slows the copies to ``bandwidth_gbps``: first from the copy
+        engines' own speed, then corrected from padded measurements (padding shares the engine's
+        per-copy costs) until one lands within ``PAD_TOLERANCE``, at most ``PAD_CORRECTIONS``
+        times, so one noisy measurement cannot leave the link unpaced."""
+        self.pad_ratio = self.copy_gbps / bandwidth_gbps - 1
+        # As few chunks as the padding can pay the last one's H2D for: 1 / pad_ratio of them.
+        self.min_pieces = min(MIN_PIECES, max(PACED_MIN_PIECES, math.ceil(1 / self.pad_ratio)))
+        pad_bytes = self.chunk_bytes * min(MAX_PAD_CHUNKS, math.ceil(self.pad_ratio * RING_SLOTS))
+        self.pad_src = torch.empty(pad_bytes, dtype=torch.uint8, device=self.device)
+        self.pad_dst = torch.empty(pad_bytes, dtype=torch.uint8, pin_memory=True)
+        for _ in range(PAD_CORRECTIONS):
+            measured = self._measure(CALIBRATION_BYTES[-1])
+            if abs(measured / bandwidth_gbps - 1) <= PAD_TOLERANCE:
+                return
+            self.pad_ratio = max(0.0, (1 + self.pad_ratio) * measured / bandwidth_gbps - 1)
 
     def _measure(self, nbytes: int) -> float:
         """GB/s of back-to-back round trips of ``nbytes`` on an idle device, on a private stream
