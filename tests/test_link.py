@@ -499,24 +499,32 @@ def test_cuda_throttle_pads_each_payload_in_proportion_less_its_tail(simulated_g
     assert len(copies) == own_part + len(padded) + 2 * len(pieces)
 
 
-def test_pacing_corrects_the_padding_until_a_measurement_lands_near_the_set_bandwidth(simulated_gpu, monkeypatch):
+def test_pacing_corrects_the_padding_until_a_measurement_lands_near_the_set_bandwidth(
+    simulated_gpu, monkeypatch, caplog
+):
     """A noisy padded measurement (19 GB/s of 25) is corrected by the next ones, not left as the
     padding: after it, the padding follows what the copies then reach, and stops once within 5%."""
     measured = iter([40.0, 19.0, 32.9, 25.4, 25.0, 24.0])  # copy engines, three padded, two reported
     monkeypatch.setattr(link_module._CudaStaging, "_measure", lambda self, nbytes: next(measured))
-    staging = HostLink(2, 25.0, device="cpu", chunk_bytes=64 << 10)._staging()
+    with caplog.at_level("WARNING", logger="ubatch.link"):
+        staging = HostLink(2, 25.0, device="cpu", chunk_bytes=64 << 10)._staging()
+    assert caplog.text == ""  # 24 of 25 at the largest payload is within the tolerance
     ratio = (40 / 25) * (19 / 25) * (32.9 / 25) - 1  # each correction scales 1 + pad_ratio by measured / set
     assert staging.pad_ratio == pytest.approx(ratio)
     assert list(staging.reached_gbps.values()) == [25.0, 24.0]
     assert next(measured, None) is None
 
 
-def test_pacing_stops_correcting_after_the_last_allowed_measurement(simulated_gpu, monkeypatch):
+def test_pacing_stops_correcting_after_the_last_allowed_measurement_and_says_it_missed(
+    simulated_gpu, monkeypatch, caplog
+):
     measured = iter([40.0] + [30.0] * link_module.PAD_CORRECTIONS + [30.0, 30.0])
     monkeypatch.setattr(link_module._CudaStaging, "_measure", lambda self, nbytes: next(measured))
-    staging = HostLink(2, 25.0, device="cpu", chunk_bytes=64 << 10)._staging()
+    with caplog.at_level("WARNING", logger="ubatch.link"):
+        staging = HostLink(2, 25.0, device="cpu", chunk_bytes=64 << 10)._staging()
     assert staging.pad_ratio == pytest.approx(1.6 * 1.2**link_module.PAD_CORRECTIONS - 1)
     assert next(measured, None) is None
+    assert "calibrated to 30.0 GB/s" in caplog.text and "where 25.0 was expected" in caplog.text
 
 
 def test_a_paced_link_cuts_payloads_into_the_chunks_its_padding_can_cover():

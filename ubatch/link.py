@@ -38,10 +38,12 @@ chunk a collective has the D2H stream copy padding bytes from a device scratch b
 memory, so every payload, large or small, takes its bytes over the set bandwidth (plus the
 copies' own latency), no SM runs anything for it, and the pacing does not depend on what the SMs
 are doing. The padding is ``pad_ratio`` times the payload (the copy engines' rate over the set
-bandwidth, corrected from padded measurements until one lands within 5% of it) less the last chunk, whose H2D runs after
-the D2H engine is done. Because that tail is paid for, a paced link cuts a payload into as few
-chunks as the padding can cover (two where the ratio allows): a real collective costs the host one
-launch, and the stand-in should cost it few, since pipelined modes issue dozens per step.
+bandwidth, corrected from padded measurements until one lands within 5% of it) less the last
+chunk, whose H2D runs after the D2H engine is done. Because that tail is paid for, a paced link
+cuts a payload into as few chunks as the padding can cover (two where the ratio allows): a real
+collective costs the host one launch, and the stand-in should cost it few, since pipelined modes
+issue dozens per step. A link that calibrates further than ``REACHED_TOLERANCE`` from its set
+bandwidth says so in a warning.
 
 CPU: nothing moves. A collective sets the values (identity) and returns a ``LinkWork`` that
 completes ``bytes / bandwidth`` seconds after the link is free (transfers queue one after
@@ -55,6 +57,7 @@ any CUDA graph that captured it. An eager collective on a new stream waits for t
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -79,6 +82,9 @@ HOLD_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: the calibration's streams wait whi
 MAX_PAD_CHUNKS = 4  # the padding scratch buffers hold at most this many chunks (more padding: more copies)
 PAD_CORRECTIONS = 3  # padded calibration measurements at most, each correcting the padding
 PAD_TOLERANCE = 0.05  # a padded measurement this close to the set bandwidth ends the correction
+REACHED_TOLERANCE = 0.15  # a calibrated link further than this from its set bandwidth is reported
+
+logger = logging.getLogger(__name__)
 
 _ONE_RANK_OPS = (
     dist.ReduceOp.SUM,
@@ -206,6 +212,18 @@ class _CudaStaging:
         if bandwidth_gbps is not None and bandwidth_gbps < self.copy_gbps:
             self._pace(bandwidth_gbps)
         self.reached_gbps = {nbytes: self._measure(nbytes) for nbytes in CALIBRATION_BYTES}
+        expected = min(bandwidth_gbps or self.copy_gbps, self.copy_gbps)
+        reached = self.reached_gbps[CALIBRATION_BYTES[-1]]
+        if abs(reached / expected - 1) > REACHED_TOLERANCE:
+            logger.warning(
+                "link stand-in calibrated to %.1f GB/s at %d MiB where %.1f was expected (set %s, copy engines %.1f): "
+                "its transfers will not take the set time",
+                reached,
+                CALIBRATION_BYTES[-1] >> 20,
+                expected,
+                bandwidth_gbps,
+                self.copy_gbps,
+            )
 
     def _pace(self, bandwidth_gbps: float) -> None:
         """Set the padding that slows the copies to ``bandwidth_gbps``: first from the copy
