@@ -1,9 +1,12 @@
 """ubatch-bench over the link stand-in at the bandwidth that makes the step's communication a given
 share of its compute (M / C), so a sweep lands in a named regime ("communication 90% of compute")
-instead of at a guessed bandwidth: a short probe of the unsplit step at --probe-gbps measures C and
-M, M scales as 1 / bandwidth, and the sweep runs at the bandwidth that gives the asked ratio (the
-copy engines' own speed where that is faster than they go). The sweep's report carries the probe
-under ``setup.link_ratio``; its own C and M say what ratio it reached.
+instead of at a guessed bandwidth. A short probe of the unsplit step at --probe-gbps measures C and
+M; taking M as 1 / bandwidth gives a second bandwidth, and where the probe missed the asked ratio
+by more than ``RATIO_TOLERANCE`` a second probe there measures again. M is then fitted through the
+two as a fixed part (the copies' own latency, which no bandwidth removes) plus bytes / bandwidth,
+and the sweep runs at the bandwidth that fit gives (the copy engines' own speed where that is
+faster than they go, or where the fixed part alone exceeds the asked share). The sweep's report
+carries the probes under ``setup.link_ratio``; its own C and M say what ratio it reached.
 
     python scripts/sweep_at_ratio.py --ratio 0.9 --world 8 --out report.json -- \\
         --graphs --workload decode --tokens 256 --preset moe-bench --modes split2,split2+join
@@ -17,9 +20,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 PROBE_REPEATS = 3
 COPY_ENGINE_SHARE = 0.9  # above this share of the copy engines' speed the pacing has no room left
+RATIO_TOLERANCE = 0.05  # a probe this close (relative) to the asked M / C sets the link as it ran
+MAX_PROBES = 2
+
+
+class Probe(NamedTuple):
+    """One short run of the unsplit step: the link's bandwidth and the step's C and M."""
+
+    gbps: float
+    compute_ms: float
+    comm_ms: float
 
 
 def bench(flags: list[str], out: Path) -> dict:
@@ -39,10 +53,22 @@ def probe_flags(flags: list[str], link: str) -> list[str]:
     return [*probe, "--repeats", str(PROBE_REPEATS), "--link", link]
 
 
-def link_for_ratio(ratio: float, probe_gbps: float, compute_ms: float, comm_ms: float, copy_gbps: float | None) -> str:
-    """The bandwidth that scales the probe's M to ``ratio`` times its C, as a --link value without
-    the world size; "" (the copy engines' speed) where that is as fast as they go."""
-    gbps = probe_gbps * comm_ms / (ratio * compute_ms)
+def link_for_ratio(ratio: float, probes: list[Probe], copy_gbps: float | None) -> str:
+    """The bandwidth that makes M ``ratio`` times the last probe's C, as a --link value without the
+    world size; "" (the copy engines' speed) where that is as fast as they go or no bandwidth
+    reaches it. M is bytes / bandwidth from one probe, and fixed part + bytes / bandwidth through the
+    last two (back to the first model where their M does not fall with bandwidth: noise)."""
+    last = probes[-1]
+    latency, transfer = 0.0, last.comm_ms * last.gbps  # ms, and ms * GB/s (the bytes)
+    if len(probes) > 1 and probes[-2].gbps != last.gbps:
+        before = probes[-2]
+        slope = (before.comm_ms - last.comm_ms) / (1 / before.gbps - 1 / last.gbps)
+        if slope > 0:
+            latency, transfer = last.comm_ms - slope / last.gbps, slope
+    wanted = ratio * last.compute_ms - latency
+    if wanted <= 0:
+        return "host:"
+    gbps = transfer / wanted
     if copy_gbps is not None and gbps >= COPY_ENGINE_SHARE * copy_gbps:
         return "host:"
     return f"host:{gbps:.3g}"
@@ -61,21 +87,27 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--ratio and --probe-gbps must be > 0 and --world >= 1")
     if "--link" in flags:
         p.error("the script sets --link; give --world and --ratio instead")
+    probes: list[Probe] = []
+    gbps = args.probe_gbps
     with tempfile.TemporaryDirectory() as tmp:
-        probe = bench(probe_flags(flags, f"host:{args.probe_gbps:g}:w{args.world}"), Path(tmp) / "probe.json")
-    unsplit = next(row for row in probe["results"] if row["mode"] == "unsplit")
-    c, m = unsplit["compute_ms"], unsplit["comm_ms"]
-    copy_gbps = probe["setup"].get("link", {}).get("copy_engine_gbps")
-    link = f"{link_for_ratio(args.ratio, args.probe_gbps, c, m, copy_gbps)}:w{args.world}"
-    print(f"probe at {args.probe_gbps:g} GB/s: C {c:.3f} ms, M {m:.3f} ms; M / C {args.ratio:g} asks --link {link}")
+        for n in range(MAX_PROBES):
+            report = bench(probe_flags(flags, f"host:{gbps:g}:w{args.world}"), Path(tmp) / f"probe{n}.json")
+            unsplit = next(row for row in report["results"] if row["mode"] == "unsplit")
+            c, m = unsplit["compute_ms"], unsplit["comm_ms"]
+            probes.append(Probe(gbps, c, m))
+            copy_gbps = report["setup"].get("link", {}).get("copy_engine_gbps")
+            print(f"probe at {gbps:g} GB/s: C {c:.3f} ms, M {m:.3f} ms, M / C {m / c:.2f}")
+            if abs(m / c / args.ratio - 1) <= RATIO_TOLERANCE:
+                link = f"host:{gbps:g}"
+                break
+            link = link_for_ratio(args.ratio, probes, copy_gbps)
+            if link == "host:":
+                break
+            gbps = float(link.removeprefix("host:"))
+    link = f"{link}:w{args.world}"
+    print(f"M / C {args.ratio:g} asks --link {link}")
     report = bench([*flags, "--link", link], args.out)
-    report["setup"]["link_ratio"] = {
-        "asked": args.ratio,
-        "probe_gbps": args.probe_gbps,
-        "probe_compute_ms": c,
-        "probe_comm_ms": m,
-        "link": link,
-    }
+    report["setup"]["link_ratio"] = {"asked": args.ratio, "probes": [probe._asdict() for probe in probes], "link": link}
     args.out.write_text(json.dumps(report, indent=2, default=str))
 
 

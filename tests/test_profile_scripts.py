@@ -415,9 +415,53 @@ def test_modes_table_renders_a_committed_report_as_results_shows_it():
 
 def test_sweep_at_ratio_scales_the_probes_bandwidth_to_the_asked_ratio():
     # M 6 ms at 10 GB/s against C 4 ms: M / C 0.5 needs M 2 ms, three times the bandwidth
-    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=None) == "host:30"
-    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=100.0) == "host:30"
-    assert sweep_at_ratio.link_for_ratio(0.5, 10.0, 4.0, 6.0, copy_gbps=32.0) == "host:", "past the copy engines"
+    probe = [sweep_at_ratio.Probe(10.0, 4.0, 6.0)]
+    assert sweep_at_ratio.link_for_ratio(0.5, probe, copy_gbps=None) == "host:30"
+    assert sweep_at_ratio.link_for_ratio(0.5, probe, copy_gbps=100.0) == "host:30"
+    assert sweep_at_ratio.link_for_ratio(0.5, probe, copy_gbps=32.0) == "host:", "past the copy engines"
+
+
+def test_sweep_at_ratio_fits_the_copies_fixed_part_through_two_probes():
+    """M = 1 ms + 20 / GBps against C 10 ms: one probe at 10 GB/s (M 3) takes M as 30 / GBps and
+    asks 15 GB/s for M / C 0.2, where M is 2.33; the fit through both finds the fixed ms and asks
+    20. Where the fixed part alone is the asked share, no bandwidth reaches it; where M did not
+    fall between the probes (noise), the last one is read as 1 / bandwidth again."""
+    probes = [sweep_at_ratio.Probe(10.0, 10.0, 3.0)]
+    assert sweep_at_ratio.link_for_ratio(0.2, probes, None) == "host:15"
+    probes.append(sweep_at_ratio.Probe(15.0, 10.0, 1 + 20 / 15))
+    assert sweep_at_ratio.link_for_ratio(0.2, probes, None) == "host:20"
+    assert sweep_at_ratio.link_for_ratio(0.08, probes, None) == "host:", "the fixed 1 ms alone is M / C 0.1"
+    flat = [sweep_at_ratio.Probe(10.0, 10.0, 3.0), sweep_at_ratio.Probe(15.0, 10.0, 3.0)]
+    assert sweep_at_ratio.link_for_ratio(0.2, flat, None) == "host:22.5"
+
+
+def fake_bench(calls, latency_ms, transfer, compute_ms):
+    """ubatch-bench's report for a link whose M is ``latency_ms + transfer / GBps``."""
+
+    def bench(flags, out):
+        calls.append(flags)
+        gbps = float(flags[flags.index("--link") + 1].split(":")[1])
+        row = {"mode": "unsplit", "compute_ms": compute_ms, "comm_ms": latency_ms + transfer / gbps}
+        return {"results": [row], "setup": {"link": {"copy_engine_gbps": 50.0}}, "args": {}}
+
+    return bench
+
+
+@pytest.mark.parametrize(
+    "probe_gbps, links",
+    [(10.0, ["host:10:w8", "host:15:w8", "host:20:w8"]), (20.0, ["host:20:w8", "host:20:w8"])],
+)
+def test_sweep_at_ratio_probes_again_only_where_the_first_probe_missed(tmp_path, monkeypatch, probe_gbps, links):
+    """Over M = 1 ms + 20 / GBps against C 10 ms: a probe that misses M / C 0.2 is followed by one
+    more, and the sweep runs where the two put it; a probe that hits it sets the sweep's link."""
+    calls = []
+    monkeypatch.setattr(sweep_at_ratio, "bench", fake_bench(calls, 1.0, 20.0, 10.0))
+    out = tmp_path / "sweep.json"
+    argv = ["--ratio", "0.2", "--world", "8", "--probe-gbps", str(probe_gbps), "--out", str(out)]
+    sweep_at_ratio.main([*argv, "--", "--modes", "split2"])
+    assert [flags[flags.index("--link") + 1] for flags in calls] == links
+    recorded = json.loads(out.read_text())["setup"]["link_ratio"]
+    assert recorded["link"] == "host:20:w8" and len(recorded["probes"]) == len(links) - 1
 
 
 def test_sweep_at_ratio_probes_the_unsplit_step_of_the_sweeps_flags():
@@ -435,11 +479,12 @@ def test_sweep_at_ratio_runs_the_sweep_at_the_probes_bandwidth_and_records_it(tm
     argv = ["--ratio", "0.5", "--world", "4", "--probe-gbps", "1", "--out", str(out), "--"]
     sweep_at_ratio.main([*argv, "--preset", "tiny-moe", "--tokens", "16", "--modes", "split2", "--repeats", "1"])
     report = json.loads(out.read_text())
-    probe = report["setup"]["link_ratio"]
-    expected = sweep_at_ratio.link_for_ratio(0.5, 1.0, probe["probe_compute_ms"], probe["probe_comm_ms"], None)
-    assert probe["link"] == report["args"]["link"] == f"{expected}:w4"
+    recorded = report["setup"]["link_ratio"]
+    probes = [sweep_at_ratio.Probe(**probe) for probe in recorded["probes"]]
+    assert 1 <= len(probes) <= sweep_at_ratio.MAX_PROBES and probes[0].gbps == 1.0
+    assert recorded["link"] == report["args"]["link"] and recorded["link"].endswith(":w4")
     assert [row["mode"] for row in report["results"]] == ["unsplit", "split2"]
-    assert f"asks --link {probe['link']}" in capsys.readouterr().out
+    assert f"asks --link {recorded['link']}" in capsys.readouterr().out
 
 
 def test_sweep_at_ratio_sets_the_link_itself(tmp_path, capsys):
