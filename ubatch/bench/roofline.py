@@ -182,7 +182,7 @@ def step_roofline(
     query_key_pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(queries, contexts))
     layer_flops = 2 * tokens * weights.attention // elt + 4 * query_key_pairs * q_dim
     layer_weight_bytes = weights.attention + weights.norms
-    ffn_weight_bytes, ffn_flops = _ffn(config, weights, tokens, ep_world, tp_world)
+    ffn_weight_bytes, ffn_flops = _ffn(config, weights, tokens, ep_world)
     layer_weight_bytes += ffn_weight_bytes
     layer_flops += ffn_flops
 
@@ -239,15 +239,15 @@ def layer_weights(config: ModelConfig, tp_world: int = 1) -> LayerWeights:
     )
 
 
-def _ffn(config: ModelConfig, weights: LayerWeights, tokens: int, ep_world: int, tp_world: int) -> tuple[float, float]:
-    """(weight bytes, FLOPs) of one layer's feed-forward block on one rank."""
-    hidden = config.hidden_size
+def _ffn(config: ModelConfig, weights: LayerWeights, tokens: int, ep_world: int) -> tuple[float, float]:
+    """(weight bytes, FLOPs) of one layer's feed-forward block on one rank: two FLOPs per weight
+    element and token for each weight a token goes through."""
+    elt = config.dtype.itemsize
     if config.kind == "dense":
-        return weights.mlp, 2 * tokens * 3 * hidden * (config.intermediate_size // tp_world)
-    experts, k, inter = config.num_experts, config.top_k, config.moe_intermediate_size
-    shared_inter = config.num_shared_experts * inter // tp_world
+        return weights.mlp, 2 * tokens * weights.mlp // elt
+    routed = config.top_k * weights.expert + weights.shared
     weight_bytes = weights.router + touched_experts(config, tokens, ep_world) * weights.expert + weights.shared
-    flops = 2 * tokens * (experts * hidden + 3 * hidden * (k * inter + shared_inter))
+    flops = 2 * tokens * (weights.router // _ROUTER_BYTES + routed // elt)
     return weight_bytes, flops
 
 
