@@ -337,6 +337,29 @@ def test_a_timing_says_how_long_the_host_took_to_issue_the_run(monkeypatch):
     assert "host ms" not in format_modes_table([{**r, "host_ms": None} for r in rows]), "older reports: no column"
 
 
+def test_a_queued_run_issues_its_steps_without_waiting_in_between(monkeypatch):
+    """The queued timing drains the device around a run of QUEUED_STEPS steps, never between them,
+    and reports the time per step; the table shows its columns only where a report has them."""
+    import ubatch.bench.modes as modes_module
+
+    events = []
+    monkeypatch.setattr(modes_module, "drain", lambda device: events.append("drain"))
+    run = modes_module.queued_call(lambda: events.append("step"), steps=3)
+    run()
+    assert events == ["step"] * 3
+    rows = [
+        {"tokens_per_rank": 8, "mode": "unsplit", "median_ms": 2.0, "min_ms": 2.0, "max_ms": 2.0, "speedup": 1.0},
+        {"tokens_per_rank": 8, "mode": "split2", "median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0, "speedup": 2.0},
+    ]
+    rows = [{**r, "above_ideal": False, "queued_ms": None} for r in rows]
+    assert "queued" not in format_modes_table(rows), "older reports: no queued columns"
+    rows[0].update(queued_ms=1.5, queued_roofline_fraction=0.5)
+    rows[1].update(queued_ms=0.75, queued_speedup=2.0, queued_speedup_iqr=[1.9, 2.1], queued_efficiency=1.0)
+    table = format_modes_table(rows).splitlines()
+    assert table[0].split()[-8:] == ["queued", "ms", "queued", "paired", "queued", "effic.", "queued", "roofline"]
+    assert table[1].split()[-4:] == ["1.500", "-", "-", "50%"] and "2.000x (1.900-2.100)" in table[2]
+
+
 def test_the_link_stand_ins_copies_count_as_communication():
     trace = {
         "traceEvents": [
@@ -581,8 +604,10 @@ def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatc
     step, _ = make_step(model, [1] * 8, [4] * 8)
     modes = parse_modes("pipeline2")
     sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=4)
-    assert calls == [(2, 1, 4)], "one paired timing per mode but the baseline, as many rounds as repeats"
+    assert calls == [(2, 1, 4)] * 2, "per mode but the baseline, one paired and one queued timing of repeats rounds"
     assert sweep["paired_speedups"] == {"pipeline2": [1.25, 12 / 9, 10 / 9, 1.1]}
+    steps = modes_module.QUEUED_STEPS
+    assert sweep["queued_rounds"] == {"pipeline2": [(b / steps, m / steps) for b, m in rounds["pipeline2"]]}
     sweep["compute_ms"], sweep["comm_ms"] = 5.0, 4.0  # an ideal of 1.8
     rows = {row["mode"]: row for row in mode_rows(sweep, modes)}
     assert rows["unsplit"]["paired_speedup"] is None
@@ -591,3 +616,8 @@ def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatc
     q1, q3 = row["paired_speedup_iqr"]
     assert 1.1 <= q1 < row["paired_speedup"] < q3 <= 12 / 9
     assert row["paired_efficiency"] == pytest.approx((row["paired_speedup"] - 1) / 0.8, abs=1e-3)
+    # queued: the same ratios, each run's time per queued step
+    assert row["queued_speedup"] == row["paired_speedup"] and row["queued_efficiency"] == row["paired_efficiency"]
+    assert row["queued_ms"] == round((9.0 + 9.0) / 2 / steps, 4)
+    assert rows["unsplit"]["queued_ms"] == round((10.0 + 11.0) / 2 / steps, 4)
+    assert rows["unsplit"]["queued_speedup"] is None

@@ -227,8 +227,12 @@ def test_a_rows_roofline_uses_the_gpus_ceilings_and_none_without_them():
     )
     assert got["roofline_ms"] == pytest.approx(expected.floor_ms, abs=1e-4)
     assert got["roofline_fraction"] == pytest.approx(expected.floor_ms / 2.0, abs=1e-4)
+    assert got["queued_roofline_fraction"] is None
+    queued = roofline_fields(MOE, Metadata(), 2.0, ceilings=h100, queued_ms=1.6)
+    assert queued["queued_roofline_fraction"] == pytest.approx(expected.floor_ms / 1.6, abs=1e-4)
     assert roofline_fields(MOE, Metadata(), 2.0, ceilings=None) == {
         "roofline_ms": None,
         "roofline_bound": None,
         "roofline_fraction": None,
+        "queued_roofline_fraction": None,
     }

@@ -9,6 +9,11 @@ with the unsplit step of the same run:
   (graphs: from its profiled kernels, where the link stand-in's host copies, its pacing
   included, count as communication; eager: the serial trace of ``ubatch.bench.measure``); the ideal is
   (C + M) / max(C, M) and ``efficiency`` (speedup - 1) / (ideal - 1);
+- ``queued_ms`` / ``queued_speedup``: the same with ``QUEUED_STEPS`` steps issued one after
+  another without waiting between them, as a serving loop that does not wait for each step's
+  output issues them: the host's time to launch a step (a FULL graph's launch alone took 0.4-0.5
+  ms on an H100) then hides under the step before, where a drained run pays it every step; the
+  ideal above counts kernel time only, so the queued figures are the ones it bounds;
 - ``auto``: the mode the policy picks from a short timing of every mode right after capture (what
   a runner can afford at start-up; close calls timed again, see ``sweep_modes``), beside the best
   measured mode.
@@ -43,6 +48,7 @@ QUICK_REPEATS = 3  # the short timing the mode policy picks from
 RUNOFF_MARGIN = 0.05  # short timings this close to the fastest are timed again
 RUNOFF_ROUNDS = 2  # each close mode ends with 1 + RUNOFF_ROUNDS short timings, their median kept
 PAIRED_ROUNDS = 3  # a pick that is not the measured best is timed against it this often, back to back
+QUEUED_STEPS = 5  # steps issued without waiting in between, per queued sample
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,7 @@ def sweep_modes(
     partitions: dict[str, dict[str, Any]] = {}
     made: dict[int, SMPartition] = {}
     paired: dict[str, list[float]] = {}
+    queued: dict[str, list[tuple[float, float]]] = {}
     with ExitStack() as baseline_scope:
         baseline = None
         for mode in modes:
@@ -224,6 +231,9 @@ def sweep_modes(
                         compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
                 else:
                     paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
+                    queued[mode.name] = paired_rounds(
+                        queued_call(baseline), queued_call(fn), device, repeats=repeats, group=group, steps=QUEUED_STEPS
+                    )
                     if graph_mode is not None and chrome_trace and mode == modes[1]:
                         profile_kernels(fn, device, chrome_trace=chrome_trace)
         first = slowest_rank_ms({name: ms[0] for name, ms in quick.items()}, group)
@@ -251,6 +261,7 @@ def sweep_modes(
         "dropped_fraction": dropped,
         "partitions": partitions,
         "paired_speedups": paired,
+        "queued_rounds": queued,
     }
 
 
@@ -269,12 +280,40 @@ def paired_speedups(
     baseline: Callable[[], Any], fn: Callable[[], Any], device: Any, *, repeats: int, group: Any = None
 ) -> list[float]:
     """Baseline over mode, one ratio per round of ``repeats``, the two runs of a round back to back
-    (``interleaved_samples_ms``; under torchrun each run's slowest rank): a stretch of load on the
-    machine falls on both runs of a round, so the ratios stray far less than two medians taken
-    seconds apart (1.6-2.7% between two timings of one baseline on an H200)."""
+    (``paired_rounds``): a stretch of load on the machine falls on both runs of a round, so the
+    ratios stray far less than two medians taken seconds apart (1.6-2.7% between two timings of
+    one baseline on an H200)."""
+    return [base / mode for base, mode in paired_rounds(baseline, fn, device, repeats=repeats, group=group)]
+
+
+def paired_rounds(
+    baseline: Callable[[], Any],
+    fn: Callable[[], Any],
+    device: Any,
+    *,
+    repeats: int,
+    group: Any = None,
+    steps: int = 1,
+) -> list[tuple[float, float]]:
+    """(baseline ms, mode ms) of each of ``repeats`` rounds, the two runs of a round back to back
+    (``interleaved_samples_ms``; under torchrun each run's slowest rank), per step where a run
+    is ``steps`` steps (``queued_call``)."""
     base, mode = interleaved_samples_ms([baseline, fn], device, warmup=1, repeats=repeats)
     rounds = slowest_rank_ms({(i, k): ms for i, pair in enumerate(zip(base, mode)) for k, ms in enumerate(pair)}, group)
-    return [rounds[i, 0] / rounds[i, 1] for i in range(repeats)]
+    return [(rounds[i, 0] / steps, rounds[i, 1] / steps) for i in range(repeats)]
+
+
+def queued_call(fn: Callable[[], Any], steps: int = QUEUED_STEPS) -> Callable[[], Any]:
+    """``steps`` calls of ``fn`` issued one after another, nothing waited for in between: each
+    step's launches are queued while the one before runs (stream order keeps a step's input
+    copies behind the step before)."""
+
+    def run() -> Any:
+        for _ in range(steps):
+            out = fn()
+        return out
+
+    return run
 
 
 def slowest_rank_ms(timings_ms: dict[Any, float], group: Any) -> dict[Any, float]:
@@ -326,8 +365,10 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
     """One report row per mode, every figure against the same run's unsplit step and ideal."""
     base, first = sweep["timings"]["unsplit"], sweep.get("first_baseline_ms")
     paired = sweep.get("paired_speedups", {})
+    queued = sweep.get("queued_rounds", {})
     c, m = sweep["compute_ms"], sweep["comm_ms"]
     ideal = (c + m) / max(c, m) if max(c, m) > 0 else 1.0
+    queued_base = [base for rounds in queued.values() for base, _ in rounds]
     rows = []
     for mode in modes:
         t = sweep["timings"][mode.name]
@@ -356,9 +397,30 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "dropped_fraction": sweep["dropped_fraction"].get(mode.name),
                 "baseline_first_ms": None if first is None else round(first, 4),
                 **paired_fields(paired.get(mode.name), ideal),
+                **queued_fields(queued.get(mode.name), queued_base if mode == modes[0] else None, ideal),
             }
         )
     return rows
+
+
+def queued_fields(
+    rounds: Sequence[tuple[float, float]] | None, baseline_ms: Sequence[float] | None, ideal: float
+) -> dict[str, Any]:
+    """``queued_ms`` (the median round's per-step time, steps queued: ``QUEUED_STEPS``), and for a
+    mode but the baseline, its speedup over the baseline round by round as ``paired_fields``
+    gives it (``queued_speedup``, ``queued_speedup_iqr``, ``queued_efficiency``); the baseline's
+    ``queued_ms`` is the median over every mode's rounds (``baseline_ms``). All None where nothing
+    was queued (the baseline alone)."""
+    if rounds:
+        paired = paired_fields([base / mode for base, mode in rounds], ideal)
+        own_ms = [mode for _, mode in rounds]
+    else:
+        paired = paired_fields(None, ideal)
+        own_ms = list(baseline_ms or [])
+    return {
+        "queued_ms": round(statistics.median(own_ms), 4) if own_ms else None,
+        **{key.replace("paired", "queued"): value for key, value in paired.items()},
+    }
 
 
 def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, Any]:
@@ -468,7 +530,13 @@ def modes_report(
                     "label": args.label,
                     **row,
                     **roofline_fields(
-                        config, md, row["median_ms"], ceilings=ceilings, ep_world=ep_world, tp_world=tp_world
+                        config,
+                        md,
+                        row["median_ms"],
+                        ceilings=ceilings,
+                        ep_world=ep_world,
+                        tp_world=tp_world,
+                        queued_ms=row["queued_ms"],
                     ),
                     **ceiling_fields(
                         config,

@@ -237,14 +237,16 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
     unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the
     most efficiency the weights the mode reads again leave it (``ubatch.bench.ceiling``), the
-    dropped share, the roofline and (where measured) the host's time to issue one run; aligned
-    text, or a markdown table (``markdown``, as benchmarks/RESULTS.md shows a report)."""
+    dropped share, the roofline, (where measured) the host's time to issue one run, and (where
+    measured) the same with steps queued (``ubatch.bench.modes``: per-step ms, paired speedup,
+    efficiency, roofline share); aligned text, or a markdown table (``markdown``, as
+    benchmarks/RESULTS.md shows a report)."""
     columns = [
         ("tokens", lambda r: str(r["tokens_per_rank"])),
         ("mode", lambda r: r["mode"]),
         ("ms", lambda r: _with_range(r, "median_ms", "min_ms", "max_ms")),
         ("speedup", lambda r: "ruled out" if r["above_ideal"] else f"{_num(r['speedup'])}x"),
-        ("paired", _paired_cell),
+        ("paired", lambda r: _paired_cell(r, "paired")),
         ("C ms", lambda r: _cell(r.get("compute_ms"))),
         ("M ms", lambda r: _cell(r.get("comm_ms"))),
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
@@ -263,6 +265,13 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     ]
     if any(r.get("host_ms") is not None for r in results):  # reports from before 2026-12-02 have none
         columns.append(("host ms", lambda r: _cell(r.get("host_ms"))))
+    if any(r.get("queued_ms") is not None for r in results):  # reports from before 2026-12-06 have none
+        columns += [
+            ("queued ms", lambda r: _cell(r.get("queued_ms"))),
+            ("queued paired", lambda r: _paired_cell(r, "queued")),
+            ("queued effic.", lambda r: _cell(r.get("queued_efficiency"))),
+            ("queued roofline", lambda r: _percent(r.get("queued_roofline_fraction"))),
+        ]
     rows = [[cell(r) for _, cell in columns] for r in results]
     if markdown:
         lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + " - |" * len(columns)]
@@ -273,13 +282,18 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     return "\n".join(lines)
 
 
-def _paired_cell(row: dict[str, Any]) -> str:
-    """The speedup timed round by round against the kept baseline, with its middle half of rounds
-    (reports before 2026-12-05 have none; the baseline's row neither)."""
-    if row.get("paired_speedup") is None:
+def _paired_cell(row: dict[str, Any], kind: str) -> str:
+    """The speedup timed round by round against the kept baseline (``kind`` "paired", or "queued"
+    for steps queued), with its middle half of rounds (reports before 2026-12-05 have none; the
+    baseline's row neither)."""
+    if row.get(f"{kind}_speedup") is None:
         return "-"
-    q1, q3 = row["paired_speedup_iqr"]
-    return f"{row['paired_speedup']:.3f}x ({q1:.3f}-{q3:.3f})"
+    q1, q3 = row[f"{kind}_speedup_iqr"]
+    return f"{row[f'{kind}_speedup']:.3f}x ({q1:.3f}-{q3:.3f})"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def modes_policy_sentence(point: dict[str, Any]) -> str:

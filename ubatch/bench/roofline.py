@@ -308,12 +308,19 @@ def roofline_fields(
     ceilings: Ceilings | None,
     ep_world: int = 1,
     tp_world: int = 1,
+    queued_ms: float | None = None,
 ) -> dict[str, Any]:
     """A bench row's roofline columns for a step measured at ``measured_ms`` on a GPU of
-    ``ceilings`` (``device_ceilings``), from its attention metadata; None without them (a CPU, a
-    GPU not measured here)."""
+    ``ceilings`` (``device_ceilings``), from its attention metadata, and the fraction at
+    ``queued_ms`` (the step timed with launches queued, ``ubatch.bench.modes``) where given; None
+    without ceilings (a CPU, a GPU not measured here)."""
     if ceilings is None:
-        return {"roofline_ms": None, "roofline_bound": None, "roofline_fraction": None}
+        return {
+            "roofline_ms": None,
+            "roofline_bound": None,
+            "roofline_fraction": None,
+            "queued_roofline_fraction": None,
+        }
     query_lens = metadata.query_lens()
     contexts = [s - q for s, q in zip(metadata.seq_lens_cpu.tolist(), query_lens)]
     roofline = step_roofline(
@@ -331,6 +338,7 @@ def roofline_fields(
         "roofline_ms": round(roofline.floor_ms, 4),
         "roofline_bound": roofline.bound,
         "roofline_fraction": round(roofline.fraction(measured_ms), 4),
+        "queued_roofline_fraction": None if queued_ms is None else round(roofline.fraction(queued_ms), 4),
     }
 
 
