@@ -146,7 +146,9 @@ def main() -> None:
         help="a factor, or measured[:MARGIN] from the modes' own routing (as ubatch-bench's)",
     )
     p.add_argument("--modes", type=parse_modes, default=parse_modes("overlap,pipeline2,split2,split2+join"))
-    p.add_argument("--attention", choices=["auto", "torch", "flash"], default="auto", help="as ubatch-bench's")
+    p.add_argument(
+        "--attention", choices=["auto", "torch", "flash", "triton"], default="auto", help="as ubatch-bench's"
+    )
     p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
     p.add_argument("--top", type=int, default=10)
     p.add_argument(

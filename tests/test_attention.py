@@ -32,8 +32,9 @@ from ubatch.attention import (
     get_backend,
     write_kv,
 )
+from ubatch.attention import backends as backends_module
 from ubatch.attention import kv_cache as kv_cache_module
-from ubatch.attention.backends import load_flash_attn, preferred_block_size
+from ubatch.attention.backends import describe_backend, load_flash_attn, preferred_block_size
 from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
 from ubatch.models import ModelConfig, build_model
@@ -404,6 +405,44 @@ def test_flash_on_cpu_is_an_error():
 def test_auto_backend_on_cpu_is_torch():
     assert isinstance(get_backend(None, "cpu"), TorchBackend)
     assert available_backends("cpu") == ["torch"]
+
+
+def test_triton_backend_needs_cuda_and_triton():
+    with pytest.raises(RuntimeError, match="'triton' needs a CUDA device, got cpu"):
+        get_backend("triton", "cpu")
+
+
+def test_the_decode_kernel_takes_decode_steps_and_the_inner_backend_the_rest(monkeypatch):
+    """Steps of one query token per request go to the decode kernel (q cut to the requests), any
+    other step, and a decode step the kernel does not take, to the wrapped backend unchanged."""
+    calls = []
+
+    class Inner:
+        name = "inner"
+
+        def forward(self, q, kv_cache, metadata, scale):
+            calls.append(("inner", len(q)))
+            return q
+
+    def kernel(q, kv_cache, block_table, seq_lens, scale):
+        calls.append(("kernel", len(q), tuple(seq_lens.tolist()), scale))
+        return q
+
+    takes = {"value": True}
+    monkeypatch.setattr(backends_module, "decode_kernel_takes", lambda *args: takes["value"])
+    monkeypatch.setattr(backends_module, "decode_attention", kernel)
+    backend = backends_module.DecodeKernelBackend(Inner())
+    assert describe_backend(backend) == "triton_decode+inner" and backend.name == "triton"
+    cache, table = torch.zeros(2, 4, 4, 2, 8), torch.zeros(3, 2, dtype=torch.int32)
+    decode = build_attention_metadata([1, 1, 1], [3, 5, 7], table, torch.zeros(3, dtype=torch.int64))
+    prompt = build_attention_metadata([1, 2, 1], [3, 5, 7], table, torch.zeros(4, dtype=torch.int64))
+    q = torch.zeros(5, 2, 8)  # two padding rows past the step's tokens
+    backend.forward(q, cache, decode, 0.5)
+    backend.forward(q, cache, prompt, 0.5)
+    takes["value"] = False
+    backend.forward(q, cache, decode, 0.5)
+    assert calls == [("kernel", 3, (3, 5, 7), 0.5), ("inner", 5), ("inner", 3)]
+    assert preferred_block_size(backend, 128, torch.bfloat16) == preferred_block_size(Inner(), 128, torch.bfloat16)
 
 
 def test_heads_not_divisible():
@@ -800,8 +839,10 @@ FAKES = {
 }
 
 
-def install_fakes(monkeypatch, versions):
-    """Make exactly ``versions`` importable (None in sys.modules makes an import fail)."""
+def install_fakes(monkeypatch, versions, *, triton=False):
+    """Make exactly ``versions`` importable (None in sys.modules makes an import fail), and Triton
+    usable or not (``triton``)."""
+    monkeypatch.setattr(backends_module, "triton_available", lambda device: triton)
     for name in (
         "flash_attn_interface",
         "flash_attn",
@@ -825,6 +866,17 @@ def test_flash_preference_order(monkeypatch, present, chosen):
     assert isinstance(get_backend(None, "cuda"), FlashAttentionBackend)
     assert available_backends("cuda") == ["torch", "flash"]
     assert isinstance(get_backend(None, "cpu"), TorchBackend)
+
+
+def test_the_triton_backend_fronts_the_automatic_choice(monkeypatch):
+    install_fakes(monkeypatch, ["fa4"], triton=True)
+    backend = get_backend("triton", "cuda")
+    assert isinstance(backend, backends_module.DecodeKernelBackend)
+    assert isinstance(backend.inner, FlashAttentionBackend) and backend.inner.version == "fa4"
+    assert available_backends("cuda") == ["torch", "flash", "triton"]
+    install_fakes(monkeypatch, ["fa4"], triton=False)
+    with pytest.raises(RuntimeError, match="'triton' needs Triton"):
+        get_backend("triton", "cuda")
 
 
 def test_flash_missing_package(monkeypatch):

@@ -112,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention",
-        choices=["auto", "torch", "flash"],
+        choices=["auto", "torch", "flash", "triton"],
         default="auto",
         help="attention backend: auto takes flash-attn on CUDA where it is installed (the torch backend "
-        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error",
+        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error; triton: "
+        "decode steps through ubatch's Triton decode kernel, the rest as auto",
     )
     p.add_argument(
         "--graphs",
