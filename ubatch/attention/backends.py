@@ -258,10 +258,10 @@ class DecodeKernelBackend:
     through ``inner``.
 
     Why: flash-attn 4's paged forward tiles 128 query rows, and a decode step fills only the few
-    query heads that share a KV head, so it read the cache at about 1.1 TB/s on an H100; the
-    kernel here tiles just those heads. Whether a step is a decode step comes from the host-side
-    lengths, so a FULL graph captured on decode steps holds the kernel and stays right when the
-    lengths and block ids change between replays."""
+    query heads that share a KV head (2.3 TB/s of K and V inside a 1024-request step on an H100,
+    where a copy reaches 3.0); the kernel here tiles just those heads. Whether a step is a decode
+    step comes from the host-side lengths, so a FULL graph captured on decode steps holds the
+    kernel and stays right when the lengths and block ids change between replays."""
 
     name = "triton"
 

@@ -1,10 +1,11 @@
 """Flash-decoding over the paged KV cache: one query token per request, on CUDA with Triton.
 
 Why: flash-attn 4's paged forward tiles 128 query rows, but a decode step has one query token
-per request, so its tile holds only the query heads that share a KV head and reads the cache at
-about 1.1 TB/s on an H100. Here one program takes one request, one KV head and one range of
-its keys, with that KV head's query heads as the rows of a small tile, so each page of K and V
-is read once per KV head and the kernel is bound by the cache's bytes, not by tile padding.
+per request, so its tile holds only the query heads that share a KV head; inside a 1024-request
+decode step on an H100 it read K and V at 2.3 TB/s (run 16's profile), below the 3.0 a copy
+reaches. Here one program takes one request, one KV head and one range of its keys, with that KV
+head's query heads as the rows of a small tile, so each page of K and V is read once per KV head
+and the kernel is bound by the cache's bytes, not by tile padding.
 
 The host side decides the grid, the split count and the tile sizes from shapes alone (never
 from ``seq_lens``' values), so a call can be captured in a CUDA graph and replayed with other
