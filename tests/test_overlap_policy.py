@@ -587,6 +587,32 @@ def test_under_graphs_the_baseline_is_timed_again_after_the_other_modes(monkeypa
     assert rows["split2"]["speedup"] == 1.25 and rows["split2"]["baseline_first_ms"] == 9.0
 
 
+def test_the_unsplit_steps_costs_are_medians_over_profiled_replays(monkeypatch):
+    """C and M are each the median of COST_REPLAYS profiled replays (one replay's M is one sample
+    of the link's rate); the rows carry the range M spanned."""
+    import ubatch.bench.modes as modes_module
+
+    costs = iter([(4.2, 7.0), (3.8, 5.0), (4.0, 6.5)])
+    profiled = []
+    monkeypatch.setattr(modes_module, "profile_kernels", lambda fn, device: profiled.append(fn) or [])
+    monkeypatch.setattr(modes_module, "kernel_costs", lambda kernels: next(costs))
+    assert modes_module.COST_REPLAYS == 3
+    c, m, samples = modes_module.unsplit_costs(lambda: None, "cpu")
+    assert (c, m, samples) == (4.0, 6.5, [7.0, 5.0, 6.5]) and len(profiled) == 3
+    sweep = {
+        "timings": {"unsplit": Timing(10.0, 10.0, 10.0)},
+        "compute_ms": c,
+        "comm_ms": m,
+        "comm_ms_samples": samples,
+        "partitions": {"unsplit": {}},
+        "dropped_fraction": {},
+    }
+    (row,) = mode_rows(sweep, [OverlapMode()])
+    assert row["comm_ms"] == 6.5 and row["comm_ms_range"] == [5.0, 7.0]
+    del sweep["comm_ms_samples"]  # reports from before 2026-12-06: one replay, no range
+    assert mode_rows(sweep, [OverlapMode()])[0]["comm_ms_range"] is None
+
+
 def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatch):
     """Each round runs the baseline and the mode back to back; the row reports the median round's
     ratio, the middle half of the rounds and the efficiency the ratio gives."""

@@ -49,6 +49,7 @@ RUNOFF_MARGIN = 0.05  # short timings this close to the fastest are timed again
 RUNOFF_ROUNDS = 2  # each close mode ends with 1 + RUNOFF_ROUNDS short timings, their median kept
 PAIRED_ROUNDS = 3  # a pick that is not the measured best is timed against it this often, back to back
 QUEUED_STEPS = 5  # steps issued without waiting in between, per queued sample
+COST_REPLAYS = 3  # profiled replays of the unsplit step whose median C and M the ideal takes
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ def sweep_modes(
                 if baseline is None:
                     baseline = fn
                     if graph_mode is not None:
-                        compute_ms, comm_ms = kernel_costs(profile_kernels(fn, device))
+                        compute_ms, comm_ms, comm_samples = unsplit_costs(fn, device)
                 else:
                     paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
                     queued[mode.name] = paired_rounds(
@@ -251,6 +252,7 @@ def sweep_modes(
             timings[modes[0].name] = sample_ms(baseline, device, warmup=warmup, repeats=repeats)
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
+        comm_samples = [comm_ms]
     return {
         "timings": timings,
         "first_baseline_ms": first_baseline_ms,
@@ -258,11 +260,22 @@ def sweep_modes(
         "runoff": [m.name for m in runoff] if len(runoff) > 1 else [],
         "compute_ms": compute_ms,
         "comm_ms": comm_ms,
+        "comm_ms_samples": comm_samples,
         "dropped_fraction": dropped,
         "partitions": partitions,
         "paired_speedups": paired,
         "queued_rounds": queued,
     }
+
+
+def unsplit_costs(fn: Callable[[], Any], device: Any) -> tuple[float, float, list[float]]:
+    """(C ms, M ms, each replay's M) of the unsplit step: the medians over ``COST_REPLAYS``
+    profiled replays. One replay's M is one sample of the link's rate, and the ideal, the
+    efficiency and ``scripts/sweep_at_ratio.py``'s M / C all rest on it (run 16: M 23.1 and
+    27.4 ms at one setting in two processes)."""
+    costs = [kernel_costs(profile_kernels(fn, device)) for _ in range(COST_REPLAYS)]
+    comm = [m for _, m in costs]
+    return statistics.median(c for c, _ in costs), statistics.median(comm), comm
 
 
 def in_mode(model: Any, mode: OverlapMode, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -369,6 +382,8 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
     c, m = sweep["compute_ms"], sweep["comm_ms"]
     ideal = (c + m) / max(c, m) if max(c, m) > 0 else 1.0
     queued_base = [base for rounds in queued.values() for base, _ in rounds]
+    samples = sweep.get("comm_ms_samples")
+    comm_range = [round(min(samples), 4), round(max(samples), 4)] if samples else None
     rows = []
     for mode in modes:
         t = sweep["timings"][mode.name]
@@ -391,6 +406,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "speedup_spread": round(speedup * spread, 4),
                 "compute_ms": round(c, 4),
                 "comm_ms": round(m, 4),
+                "comm_ms_range": comm_range,
                 "ideal_speedup": round(ideal, 4),
                 "efficiency": None if ideal <= 1 + 1e-9 else round((speedup - 1) / (ideal - 1), 4),
                 "above_ideal": speedup > ideal * (1 + spread),
