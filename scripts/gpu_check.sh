@@ -191,6 +191,10 @@ if want decode_kernel; then  # the Triton decode kernel (attention backend "trit
       --capacity-factor measured --workload decode --tokens 256 --preset moe-bench --attention "$attention" \
       --modes overlap,split2 2>&1 | tail -6
   done
+  # where the world-8 split waits on its transfers (0.45 ms in run 16): its trace, packed (a call returns few files)
+  timeout 150 python3 scripts/mode_kernels.py --tokens 256 --link host:19:w8 --capacity-factor measured --modes split2 \
+    --attention triton --top 12 --trace-dir "$OUT/traces_w8" 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_w8_triton.log"
+  tar -C "$OUT" -czf "$OUT/traces_w8.tar.gz" traces_w8 && rm -r "$OUT/traces_w8"
 fi
 if want flash; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -k "flash_backend or graph_replay_matches_eager" \
