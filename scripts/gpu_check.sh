@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -179,14 +179,18 @@ if want modes_w8_prefill; then  # the same for prefill, a call of its own
   timeout 270 $ratio --probe-gbps 40 --out "$OUT/modes_deepseek_prefill4096_w8.json" -- $prefill \
     --preset deepseek-bench --modes overlap,pipeline2,split2,split3 2>&1 | tail -8
 fi
-if want decode_kernel; then  # the Triton decode kernel (attention backend "triton") against flash-attn 4, then the
-  # decode modes without communication and as one rank of eight through each (the queued columns: launches hidden)
+if want decode_kernel; then  # the Triton decode kernel (attention backend "triton") against flash-attn 4: its tests,
+  # its timing, and the decode modes without communication through each (the queued columns: launches hidden)
   timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_kernel.py tests/test_attention.py 2>&1 \
     | tee "$OUT/gpu_decode_kernel_tests.log" | tail -3
   timeout 90 python3 scripts/bench_decode_attention.py --requests 8,64,256,1024 2>&1 | grep '^{' | tee "$OUT/decode_attention.log"
   for attention in flash triton; do
     run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
       --attention "$attention" --out "$OUT/modes_moe_decode_nocomm_$attention.json" | tail -9
+  done
+fi
+if want decode_kernel_w8; then  # the same as one rank of eight, M / C 0.9, a call of its own
+  for attention in flash triton; do
     timeout 170 $ratio --probe-gbps 19 --out "$OUT/modes_moe_decode256_w8_$attention.json" -- --graphs --layers 4 \
       --capacity-factor measured --workload decode --tokens 256 --preset moe-bench --attention "$attention" \
       --modes overlap,split2 2>&1 | tail -6
