@@ -364,7 +364,17 @@ def test_capacity_factor_reports_the_dropped_share_unsplit_and_ubatched(tmp_path
     # one rank: 0.3 of the 128 assignments bounds its one block to 39 of its 64 tokens' rows
     assert all(0.0 < share < 1.0 for share in dropped.values()), dropped
     main([*common, "--out", str(out)])
-    assert json.loads(out.read_text())["results"][0]["dropped_fraction"] is None  # worst case: none dropped
+    row = json.loads(out.read_text())["results"][0]
+    assert row["dropped_fraction"] is None  # worst case: none dropped
+    assert row["efficiency_ceiling"] is None and row["reread_ms"] is None, "a CPU has no ceilings"
+
+
+def test_the_step_table_shows_the_ceiling_where_rows_have_one():
+    rows = [_rows(), {**_rows(), "num_ubatches": 3}]
+    assert "ceiling" not in format_table(rows).splitlines()[0], "none measured: no column"
+    rows[1]["efficiency_ceiling"] = 0.875
+    table = format_table(rows).splitlines()
+    assert "ceiling" in table[0].split() and "0.875" in table[2].split() and "-" in table[1].split()
 
 
 @pytest.mark.parametrize(

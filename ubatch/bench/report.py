@@ -114,6 +114,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
         ("effic.", lambda r: _cell(r.get("efficiency"))),
         *([("bound", lambda r: _cell(r.get("efficiency_bound")))] if graphs else []),
+        *([("ceiling", lambda r: _cell(r.get("efficiency_ceiling")))] if _any(results, "efficiency_ceiling") else []),
         ("hidden", lambda r: _cell(r.get("hidden_comm_fraction"))),
         ("hideable", lambda r: _cell(r.get("hideable_comm_fraction"))),
         ("M stretch", lambda r: _cell(r.get("comm_stretch"))),
@@ -124,6 +125,11 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     lines = ["  ".join(head.rjust(w) for (head, _), w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
+
+
+def _any(results: Sequence[dict[str, Any]], key: str) -> bool:
+    """Whether any row has ``key`` set (a column only where a report measured it)."""
+    return any(r.get(key) is not None for r in results)
 
 
 def _cell(value: Any) -> str:

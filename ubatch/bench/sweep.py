@@ -19,6 +19,7 @@ from ubatch.attention import get_backend
 from ubatch.attention.backends import AttentionBackend
 from ubatch.bench.auto import auto_policy_report
 from ubatch.bench.capacity import dropped_fractions, set_measured_capacity
+from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.generation import GenerationShape, capture_sizes_for, generation_sweep
 from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
 from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
@@ -32,6 +33,7 @@ from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.fusion import fused_glue
+from ubatch.overlap import OverlapMode
 from ubatch.sm import SMPartition
 from ubatch.teardown import import_before_init
 
@@ -180,6 +182,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     config,
                     step_at(tokens).attn_metadata[model.layer_names[0]],
                     m.baseline_ms,
+                    ceilings=ceilings,
+                    ep_world=ep_world,
+                    tp_world=tp_world,
+                ),
+                **ceiling_fields(
+                    config,
+                    OverlapMode(num_ubatches=n),
+                    tokens,
+                    compute_ms=m.compute_ms,
+                    comm_ms=m.comm_ms,
+                    unsplit_ms=m.baseline_ms,
                     ceilings=ceilings,
                     ep_world=ep_world,
                     tp_world=tp_world,
