@@ -413,8 +413,9 @@ def test_triton_backend_needs_cuda_and_triton():
 
 
 def test_the_decode_kernel_takes_decode_steps_and_the_inner_backend_the_rest(monkeypatch):
-    """Steps of one query token per request go to the decode kernel (q cut to the requests), any
-    other step, and a decode step the kernel does not take, to the wrapped backend unchanged."""
+    """Steps of one query token per request, or of a few each alike and causal, go to the decode
+    kernel (q cut to the step's tokens); any other step, and one the kernel does not take, to the
+    wrapped backend unchanged."""
     calls = []
 
     class Inner:
@@ -424,24 +425,33 @@ def test_the_decode_kernel_takes_decode_steps_and_the_inner_backend_the_rest(mon
             calls.append(("inner", len(q)))
             return q
 
-    def kernel(q, kv_cache, block_table, seq_lens, scale):
-        calls.append(("kernel", len(q), tuple(seq_lens.tolist()), scale))
+    def kernel(q, kv_cache, block_table, seq_lens, scale, *, query_len):
+        calls.append(("kernel", len(q), tuple(seq_lens.tolist()), scale, query_len))
         return q
 
     takes = {"value": True}
-    monkeypatch.setattr(backends_module, "decode_kernel_takes", lambda *args: takes["value"])
+    monkeypatch.setattr(backends_module, "decode_kernel_takes", lambda *args, query_len: takes["value"])
     monkeypatch.setattr(backends_module, "decode_attention", kernel)
     backend = backends_module.DecodeKernelBackend(Inner())
     assert describe_backend(backend) == "triton_decode+inner" and backend.name == "triton"
     cache, table = torch.zeros(2, 4, 4, 2, 8), torch.zeros(3, 2, dtype=torch.int32)
-    decode = build_attention_metadata([1, 1, 1], [3, 5, 7], table, torch.zeros(3, dtype=torch.int64))
-    prompt = build_attention_metadata([1, 2, 1], [3, 5, 7], table, torch.zeros(4, dtype=torch.int64))
-    q = torch.zeros(5, 2, 8)  # two padding rows past the step's tokens
-    backend.forward(q, cache, decode, 0.5)
-    backend.forward(q, cache, prompt, 0.5)
+    slots = torch.zeros(6, dtype=torch.int64)
+    decode = build_attention_metadata([1, 1, 1], [3, 5, 7], table, slots)
+    verify = build_attention_metadata([2, 2, 2], [3, 5, 7], table, slots)  # one drafted token each
+    uneven = build_attention_metadata([1, 2, 1], [3, 5, 7], table, slots)
+    bidirectional = build_attention_metadata([2, 2, 2], [3, 5, 7], table, slots, causal=False)
+    q = torch.zeros(8, 2, 8)  # padding rows past the step's tokens
+    for metadata in (decode, verify, uneven, bidirectional):
+        backend.forward(q, cache, metadata, 0.5)
     takes["value"] = False
     backend.forward(q, cache, decode, 0.5)
-    assert calls == [("kernel", 3, (3, 5, 7), 0.5), ("inner", 5), ("inner", 3)]
+    assert calls == [
+        ("kernel", 3, (3, 5, 7), 0.5, 1),
+        ("kernel", 6, (3, 5, 7), 0.5, 2),
+        ("inner", 8),
+        ("inner", 8),
+        ("inner", 8),
+    ]
     assert preferred_block_size(backend, 128, torch.bfloat16) == preferred_block_size(Inner(), 128, torch.bfloat16)
 
 
@@ -1016,6 +1026,57 @@ def test_flash_backend_cuda_matches_the_reference(block_size, heads):
     )
     for chunks, pad in random_schedule(lengths, rng):
         sc.step(chunks, num_pad=pad, atol=2e-2, rtol=2e-2)
+    sc.check_cache()
+
+
+def test_triton_backend_through_the_layer_interpreted():
+    """The same schedule as the CUDA test below on the CPU, the decode kernel under Triton's
+    interpreter (fp16: the interpreter miscomputes bf16 dots) in front of the torch backend."""
+    run_interpreted("""
+import torch
+from tests.test_attention import Scenario
+from ubatch.attention import backends, decode_kernel
+decode_kernel.triton_available = lambda device: True  # the interpreter runs the kernel on CPU tensors
+decode_kernel._sm_count = lambda device: 132  # an H100's, for the split heuristic
+backend = backends.DecodeKernelBackend(backends.TorchBackend())
+calls = []
+real = backends.decode_attention
+backends.decode_attention = lambda *args, **kwargs: calls.append(kwargs["query_len"]) or real(*args, **kwargs)
+lengths = [40, 37, 70, 33]
+sc = Scenario(lengths, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, backend=backend,
+              dtype=torch.float16, device="cpu", seed=6)
+sc.step([(r, 20) for r in range(len(lengths))], atol=4e-3, rtol=4e-3)  # 80 rows a KV head: the torch backend
+for query_len in (1, 3, 1):
+    sc.step([(r, query_len) for r in range(len(lengths))], num_pad=2, atol=4e-3, rtol=4e-3)
+sc.step([(0, 1), (1, 2), (2, 1)], atol=4e-3, rtol=4e-3)
+sc.check_cache()
+assert calls == [1, 3, 1], calls
+print("interpreted kernel ok")
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa"])
+def test_triton_backend_cuda_matches_the_reference(block_size, heads):
+    """The decode kernel through the layer (backend "triton"): decode steps, steps verifying two
+    drafted tokens per request, with padding rows, and a mixed step it hands to the inner backend."""
+    lengths = [140, 90, 260, 129, 80]
+    sc = Scenario(
+        lengths,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=128,
+        block_size=block_size,
+        backend="triton",
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=6,
+    )
+    sc.step([(r, 70) for r in range(len(lengths))], atol=2e-2, rtol=2e-2)  # over 64 rows a KV head: the inner backend
+    for query_len in (1, 3, 1, 1, 3):
+        sc.step([(r, query_len) for r in range(len(lengths))], num_pad=2, atol=2e-2, rtol=2e-2)
+    sc.step([(0, 1), (1, 2), (2, 1)], atol=2e-2, rtol=2e-2)  # uneven: the inner backend
     sc.check_cache()
 
 

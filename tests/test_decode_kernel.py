@@ -1,6 +1,7 @@
 """The flash-decoding kernel over the paged KV cache: under Triton's CPU interpreter against a
-torch reference, on CUDA (lead's GPU runs) including a graph replayed with new lengths and
-blocks, and its input checks and split heuristic (no Triton needed)."""
+torch reference (one query token per request, and several, causal), on CUDA including a graph
+replayed with new lengths and blocks, and its input checks and split heuristic (no Triton
+needed)."""
 
 import pytest
 import torch
@@ -15,15 +16,16 @@ from ubatch.attention.decode_kernel import decode_attention, decode_kernel_takes
 TOL = {torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}, torch.float16: {"atol": 4e-3, "rtol": 4e-3}}
 
 
-def make_case(num_heads, kv_heads, head_dim, block_size, max_blocks, lengths, dtype, device="cpu", seed=0):
-    """(q, kv_cache, block_table, seq_lens) for requests of ``lengths``: each request's pages are
+def make_case(num_heads, kv_heads, head_dim, block_size, max_blocks, lengths, dtype, device="cpu", seed=0, query_len=1):
+    """(q, kv_cache, block_table, seq_lens) for requests of ``lengths`` with ``query_len`` query
+    tokens each (q [requests * query_len, heads, head_dim]): each request's pages are
     distinct shuffled block ids, the table's entries past its last page are 0, and every cache
     slot no request reads (block 0, the tail of each last page) holds NaN, so a read past a
     request's length shows up in its output."""
     gen = torch.Generator().manual_seed(seed)
     num_reqs = len(lengths)
     num_blocks = num_reqs * max_blocks + 1
-    q = torch.randn(num_reqs, num_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_reqs * query_len, num_heads, head_dim, generator=gen).to(dtype)
     kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: num_reqs * max_blocks].view(num_reqs, max_blocks)
     keys = torch.arange(max_blocks * block_size)
@@ -37,19 +39,24 @@ def make_case(num_heads, kv_heads, head_dim, block_size, max_blocks, lengths, dt
     return tuple(t.to(device) for t in (q, kv_cache, table.to(torch.int32), seq_lens))
 
 
-def reference_decode(q, kv_cache, block_table, seq_lens, scale):
-    """Each request's query over its keys 0 .. seq_len - 1 (all of the table's past its end),
-    gathered through the block table, in float32; grouped heads; zeros for a request of none."""
-    num_reqs, num_heads, head_dim = q.shape
+def reference_decode(q, kv_cache, block_table, seq_lens, scale, query_len=1):
+    """Each request's query tokens over its keys, gathered through the block table, in float32,
+    grouped heads: token t of a request's ``query_len`` sees keys 0 .. seq_len - query_len + t,
+    a length past the table's end read as the table's; zeros for a token that sees none."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = num_tokens // query_len
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     keys = torch.arange(block_table.shape[1] * block_size, device=q.device)
     slots = block_table.long()[:, keys // block_size] * block_size + keys % block_size
+    seq_lens = seq_lens.clamp(max=len(keys))
     live = keys.view(1, -1) < seq_lens.view(-1, 1)
     k, v = (kv_cache[i].flatten(0, 1)[slots].float().masked_fill(~live[..., None, None], 0.0) for i in (0, 1))
-    grouped = q.float().view(num_reqs, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.einsum("rkgd,rnkd->rkgn", grouped, k) * scale
-    probs = scores.masked_fill(~live[:, None, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
-    return torch.einsum("rkgn,rnkd->rkgd", probs, v).reshape(num_reqs, num_heads, head_dim)
+    tokens = torch.arange(query_len, device=q.device)
+    seen = live[:, None, :] & (keys.view(1, 1, -1) <= (seq_lens.view(-1, 1) - query_len + tokens).unsqueeze(-1))
+    grouped = q.float().view(num_reqs, query_len, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("rtkgd,rnkd->rtkgn", grouped, k) * scale
+    probs = scores.masked_fill(~seen[:, :, None, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("rtkgn,rnkd->rtkgd", probs, v).reshape(num_tokens, num_heads, head_dim)
 
 
 def lengths_for(block_size, max_blocks, seed):
@@ -64,53 +71,57 @@ def lengths_for(block_size, max_blocks, seed):
 CONFIGS = [(4, 4, 64, 16, 12), (8, 2, 128, 64, 3), (16, 2, 64, 16, 6)]
 
 
-def check_case(config, dtype, num_splits, launch, device="cpu", seed=0):
-    """``launch`` on one config's case against the reference."""
+def check_case(config, dtype, num_splits, launch, device="cpu", seed=0, query_len=1):
+    """``launch`` on one config's case, ``query_len`` query tokens per request, against the
+    reference."""
     head_dim, block_size, max_blocks = config[2:]
     lengths = lengths_for(block_size, max_blocks, seed)
-    q, kv_cache, table, lens = make_case(*config, lengths, dtype, device, seed)
+    q, kv_cache, table, lens = make_case(*config, lengths, dtype, device, seed, query_len)
     scale = head_dim**-0.5
-    assert decode_kernel._input_error(q, kv_cache, table, lens) is None
-    out = launch(q, kv_cache, table, lens, scale, num_splits)
+    assert decode_kernel._input_error(q, kv_cache, table, lens, query_len) is None
+    out = launch(q, kv_cache, table, lens, scale, num_splits, query_len)
     assert out.shape == q.shape and out.dtype == dtype
-    assert not out.isnan().any(), (config, num_splits)
-    assert out[0].eq(0).all(), "a request of length 0 gets zeros"
-    want = reference_decode(q, kv_cache, table, lens, scale)
+    assert not out.isnan().any(), (config, num_splits, query_len)
+    assert out[:query_len].eq(0).all(), "a request of length 0 gets zeros"
+    want = reference_decode(q, kv_cache, table, lens, scale, query_len)
     torch.testing.assert_close(
-        out.float(), want, **TOL[dtype], msg=lambda m: f"{config} {dtype} splits {num_splits}: {m}"
+        out.float(), want, **TOL[dtype], msg=lambda m: f"{config} {dtype} splits {num_splits} x{query_len}: {m}"
     )
 
 
 def test_kernel_interpreted():
     """The kernels under Triton's CPU interpreter: every config with one split, three splits
     (the later ones empty for short requests, as the per-split floor of chunks leaves them) and
-    three splits with no floor (every split of a long request busy). fp16 only: the interpreter
-    (Triton 3.5) multiplies bf16 tl.dot operands as their uint16 bit patterns."""
+    three splits with no floor (every split of a long request busy), with one query token per
+    request and with three (causal: a request of one key has tokens that see none). fp16 only:
+    the interpreter (Triton 3.5) multiplies bf16 tl.dot operands as their uint16 bit patterns."""
     run_interpreted(
         """
 import torch
 from tests.test_decode_kernel import CONFIGS, check_case
 from ubatch.attention import decode_kernel as m
 for config in CONFIGS:
-    for num_splits, min_chunks in ((1, 4), (3, 4), (3, 1)):
-        m._MIN_SPLIT_CHUNKS = min_chunks
-        check_case(config, torch.float16, num_splits, m._launch)
+    for query_len in (1, 3):
+        for num_splits, min_chunks in ((1, 4), (3, 4), (3, 1)):
+            m._MIN_SPLIT_CHUNKS = min_chunks
+            check_case(config, torch.float16, num_splits, m._launch, query_len=query_len)
 print("interpreted kernel ok")
 """,
         timeout=300,
     )
 
 
-def cuda_launch(q, kv_cache, table, lens, scale, num_splits):
-    return decode_attention(q, kv_cache, table, lens, scale, num_splits=num_splits)
+def cuda_launch(q, kv_cache, table, lens, scale, num_splits, query_len):
+    return decode_attention(q, kv_cache, table, lens, scale, query_len=query_len, num_splits=num_splits)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("query_len", [1, 3])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 32])
 @pytest.mark.parametrize("config", CONFIGS, ids=["group1", "group4", "group8"])
-def test_cuda_matches_the_reference(config, num_splits):
+def test_cuda_matches_the_reference(config, num_splits, query_len):
     for dtype in (torch.bfloat16, torch.float16):
-        check_case(config, dtype, num_splits, cuda_launch, "cuda", seed=1)
+        check_case(config, dtype, num_splits, cuda_launch, "cuda", seed=1, query_len=query_len)
 
 
 @pytest.mark.cuda
@@ -165,16 +176,17 @@ def small_case(num_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.
     return make_case(num_heads, kv_heads, head_dim, block_size, 2, [3, 20], dtype)
 
 
-@pytest.mark.parametrize("num_splits", [0, -1, 2.5, True, "2"])
-def test_num_splits_must_be_a_positive_int(num_splits):
-    with pytest.raises(ValueError, match=f"num_splits must be a positive int, got {num_splits!r}"):
-        decode_attention(*small_case(), 0.125, num_splits=num_splits)
+@pytest.mark.parametrize("name", ["num_splits", "query_len"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "2"])
+def test_num_splits_and_query_len_must_be_positive_ints(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a positive int, got {value!r}"):
+        decode_attention(*small_case(), 0.125, **{name: value})
 
 
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda q, c, t, s: (q[0], c, t, s), ValueError, r"q must be \[num_reqs, num_heads, head_dim\]"),
+        (lambda q, c, t, s: (q[0], c, t, s), ValueError, r"q must be \[num_reqs \* query_len, num_heads, head_dim\]"),
         (lambda q, c, t, s: (q, c[0], t, s), ValueError, "kv_cache must be"),
         (lambda q, c, t, s: (q, c, t[:1], s), ValueError, r"block_table must be \[2, max_blocks\]"),
         (lambda q, c, t, s: (q, c, t, s[:1]), ValueError, r"seq_lens must be \[2\]"),
@@ -200,9 +212,18 @@ def test_bad_inputs_raise_and_are_not_taken(change, error, match, monkeypatch):
     assert not decode_kernel_takes(*inputs)
 
 
-def test_more_than_sixteen_query_heads_per_kv_head_are_refused():
-    inputs = small_case(num_heads=32, kv_heads=1)
-    with pytest.raises(ValueError, match="32 query heads per KV head; the kernel takes at most 16"):
+def test_more_than_64_rows_per_kv_head_are_refused():
+    """A tile row per query head of a KV head and query token: 16 heads x 4 tokens fit, 16 x 5 do
+    not, nor do 128 heads x 1; a q whose tokens do not split evenly into requests is refused."""
+    q, kv_cache, table, lens = make_case(16, 1, 64, 16, 2, [3, 20], torch.float16, query_len=4)
+    assert decode_kernel._input_error(q, kv_cache, table, lens, 4) is None
+    q5 = torch.cat([q, q[:2]])
+    with pytest.raises(ValueError, match="16 query heads per KV head times 5 query tokens is 80 rows; .* at most 64"):
+        decode_attention(q5, kv_cache, table, lens, 0.125, query_len=5)
+    with pytest.raises(ValueError, match="q's 10 tokens are not 4 per request"):
+        decode_attention(q5, kv_cache, table, lens, 0.125, query_len=4)
+    inputs = small_case(num_heads=128, kv_heads=1)
+    with pytest.raises(ValueError, match="128 query heads per KV head times 1 query tokens is 128 rows"):
         decode_attention(*inputs, 0.125)
 
 

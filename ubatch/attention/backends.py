@@ -253,9 +253,9 @@ class FlashAttentionBackend:
 
 
 class DecodeKernelBackend:
-    """Decode steps (one query token per request) through ubatch's Triton flash-decoding kernel
-    (``ubatch.attention.decode_kernel``), every other step, and inputs the kernel does not take,
-    through ``inner``.
+    """Decode steps (one query token per request, or a few each alike: verifying drafted tokens)
+    through ubatch's Triton flash-decoding kernel (``ubatch.attention.decode_kernel``), every
+    other step, and inputs the kernel does not take, through ``inner``.
 
     Why: flash-attn 4's paged forward tiles 128 query rows, and a decode step fills only the few
     query heads that share a KV head (2.3 TB/s of K and V inside a 1024-request step on an H100,
@@ -271,11 +271,13 @@ class DecodeKernelBackend:
     def forward(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        num_reqs = metadata.num_reqs
-        if metadata.max_query_len == 1 and metadata.num_actual_tokens == num_reqs:
-            q = q[:num_reqs]
-            if decode_kernel_takes(q, kv_cache, metadata.block_table, metadata.seq_lens):
-                return decode_attention(q, kv_cache, metadata.block_table, metadata.seq_lens, scale)
+        query_len = metadata.max_query_len
+        num_tokens = metadata.num_reqs * query_len
+        # every request has the longest query length (their sum says so); several tokens need causal
+        if query_len and metadata.num_actual_tokens == num_tokens and (query_len == 1 or metadata.causal):
+            table, lens = metadata.block_table, metadata.seq_lens
+            if decode_kernel_takes(q[:num_tokens], kv_cache, table, lens, query_len=query_len):
+                return decode_attention(q[:num_tokens], kv_cache, table, lens, scale, query_len=query_len)
         return self.inner.forward(q, kv_cache, metadata, scale)
 
 
