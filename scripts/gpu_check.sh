@@ -184,6 +184,8 @@ if want decode_kernel; then  # the Triton decode kernel (attention backend "trit
   timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_kernel.py tests/test_attention.py 2>&1 \
     | tee "$OUT/gpu_decode_kernel_tests.log" | tail -3
   timeout 90 python3 scripts/bench_decode_attention.py --requests 8,64,256,1024 2>&1 | grep '^{' | tee "$OUT/decode_attention.log"
+  timeout 60 python3 scripts/bench_decode_attention.py --requests 64,256 --query-len 3 2>&1 | grep '^{' \
+    | tee -a "$OUT/decode_attention.log"  # verifying two drafted tokens
   for attention in flash triton; do
     run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
       --attention "$attention" --out "$OUT/modes_moe_decode_nocomm_$attention.json" | tail -9
