@@ -462,6 +462,25 @@ def test_sweep_at_ratio_probes_again_only_where_the_first_probe_missed(tmp_path,
     assert [flags[flags.index("--link") + 1] for flags in calls] == links
     recorded = json.loads(out.read_text())["setup"]["link_ratio"]
     assert recorded["link"] == "host:20:w8" and len(recorded["probes"]) == len(links) - 1
+    assert recorded["reached"] == 0.2
+
+
+def test_sweep_at_ratio_says_where_the_sweep_missed_the_asked_ratio(tmp_path, monkeypatch, capsys):
+    """The probes fit M = 1 ms + 20 / GBps, but the sweep's own process measures M 20% longer."""
+    calls = []
+    probe_link = fake_bench(calls, 1.0, 20.0, 10.0)
+
+    def bench(flags, out):
+        report = probe_link(flags, out)
+        if "--repeats" not in flags:  # the sweep, not a probe
+            report["results"][0]["comm_ms"] *= 1.2
+        return report
+
+    monkeypatch.setattr(sweep_at_ratio, "bench", bench)
+    out = tmp_path / "sweep.json"
+    sweep_at_ratio.main(["--ratio", "0.2", "--probe-gbps", "20", "--out", str(out), "--", "--modes", "split2"])
+    assert json.loads(out.read_text())["setup"]["link_ratio"]["reached"] == 0.24
+    assert "the sweep reached M / C 0.24 (asked 0.2): the link ran otherwise" in capsys.readouterr().out
 
 
 def test_sweep_at_ratio_probes_the_unsplit_step_of_the_sweeps_flags():
