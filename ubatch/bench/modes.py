@@ -232,9 +232,7 @@ def sweep_modes(
                         compute_ms, comm_ms, comm_samples = unsplit_costs(fn, device)
                 else:
                     paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
-                    queued[mode.name] = paired_rounds(
-                        queued_call(baseline), queued_call(fn), device, repeats=repeats, group=group, steps=QUEUED_STEPS
-                    )
+                    queued[mode.name] = queued_rounds(baseline, fn, device, repeats=repeats, group=group)
                     if graph_mode is not None and chrome_trace and mode == modes[1]:
                         profile_kernels(fn, device, chrome_trace=chrome_trace)
         first = slowest_rank_ms({name: ms[0] for name, ms in quick.items()}, group)
@@ -314,6 +312,15 @@ def paired_rounds(
     base, mode = interleaved_samples_ms([baseline, fn], device, warmup=1, repeats=repeats)
     rounds = slowest_rank_ms({(i, k): ms for i, pair in enumerate(zip(base, mode)) for k, ms in enumerate(pair)}, group)
     return [(rounds[i, 0] / steps, rounds[i, 1] / steps) for i in range(repeats)]
+
+
+def queued_rounds(
+    baseline: Callable[[], Any], fn: Callable[[], Any], device: Any, *, repeats: int, group: Any = None
+) -> list[tuple[float, float]]:
+    """``paired_rounds`` of runs of ``QUEUED_STEPS`` queued steps each (``queued_call``), per step."""
+    return paired_rounds(
+        queued_call(baseline), queued_call(fn), device, repeats=repeats, group=group, steps=QUEUED_STEPS
+    )
 
 
 def queued_call(fn: Callable[[], Any], steps: int = QUEUED_STEPS) -> Callable[[], Any]:

@@ -269,9 +269,9 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
             ),
         ),
     ]
-    if any(r.get("host_ms") is not None for r in results):  # reports from before 2026-12-02 have none
+    if _any(results, "host_ms"):  # reports from before 2026-12-02 have none
         columns.append(("host ms", lambda r: _cell(r.get("host_ms"))))
-    if any(r.get("queued_ms") is not None for r in results):  # reports from before 2026-12-06 have none
+    if _any(results, "queued_ms"):  # reports from before 2026-12-06 have none
         columns += [
             ("queued ms", lambda r: _cell(r.get("queued_ms"))),
             ("queued paired", lambda r: _paired_cell(r, "queued")),
