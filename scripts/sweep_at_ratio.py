@@ -7,8 +7,11 @@ two as a fixed part (the copies' own latency, which no bandwidth removes) plus b
 and the sweep runs at the bandwidth that fit gives (the copy engines' own speed where that is
 faster than they go, or where the fixed part alone exceeds the asked share). The sweep's report
 carries the probes under ``setup.link_ratio``, and the ratio its own C and M reached
-(``reached``; said when it misses the asked one by more than ``RATIO_TOLERANCE``, as in run 16:
-1.09 where a probe at the same setting measured 0.94).
+(``reached``; said when it misses the asked one by more than ``RATIO_TOLERANCE``). With
+``--capacity-factor measured`` the probe's unsplit step and the sweep's send the same payload:
+each call shape takes the factor its own routing asked for (``ubatch.models.capacity``). Before
+that, the sweep's unsplit step took its splits' larger factor, and runs 16 and 17 reached M / C
+0.98-1.10 where the probes measured 0.88-0.94.
 
     python scripts/sweep_at_ratio.py --ratio 0.9 --world 8 --out report.json -- \\
         --graphs --workload decode --tokens 256 --preset moe-bench --modes split2,split2+join

@@ -3,6 +3,7 @@ they give drop nothing on the runs they came from (and that less would), and the
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tests.dist_utils import run_distributed
 from ubatch.bench.cli import main, parse_args
 from ubatch.bench.modes import dropped_share, eager_call
 from ubatch.bench.workload import make_step
+from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
 from ubatch.models.capacity import RoutingFill, measure_capacity, routing_fill
 from ubatch.models.dispatch import balanced_chunk_rows
@@ -88,17 +90,53 @@ def test_measured_factors_drop_nothing_on_the_runs_they_came_from_and_less_would
     assert list(measured.chunk_dispatch) == [2] and len(measured.chunk_dispatch[2]) == 2
     assert all(f >= max(fill, 1.0) for f, fill in zip(measured.chunk_dispatch[2], measured.chunk_dispatch_fill[2]))
     measured.apply(model)
-    assert all(layer.chunk_capacity_factors == measured.chunk_dispatch for layer in model.moe_layers.values())
+    layers = list(model.moe_layers.values())
+    assert all(layer.chunk_capacity_factors == measured.chunk_dispatch for layer in layers)
+    assert all(layer.shape_capacity_factors == measured.shape_dispatch for layer in layers)
     grouped = [eager_call(model, step, mode) for mode in MODES if mode.expert_chunks == 2]
+
+    def shrunk(keep_groups: int) -> dict:
+        """Every measured shape's factors at 0.7x its fill, but those of ``keep_groups`` groups."""
+        return {
+            shape: factors if shape[0] == keep_groups else tuple(0.7 * f for f in measured.shape_dispatch_fill[shape])
+            for shape, factors in measured.shape_dispatch.items()
+        }
+
     with torch.inference_mode():
         assert [dropped_share(model, run, step) for run in _mode_runs(model, step)] == [0.0] * len(MODES)
-        for layer in model.moe_layers.values():
-            layer.chunk_capacity_factors = {2: tuple(0.7 * f for f in measured.chunk_dispatch_fill[2])}
+        for layer in layers:
+            layer.shape_capacity_factors = shrunk(keep_groups=1)
         assert sum(dropped_share(model, run, step) for run in grouped) > 0, "the chunk factors size the groups"
-        for layer in model.moe_layers.values():
-            layer.capacity_factor = 0.7 * measured.dispatch_fill
-            layer.chunk_capacity_factors = measured.chunk_dispatch
+        for layer in layers:
+            layer.shape_capacity_factors = shrunk(keep_groups=2)
         assert sum(dropped_share(model, run, step) for run in _mode_runs(model, step)) > 0
+
+
+def test_each_call_size_gets_the_factor_its_own_routing_asks_for():
+    """A split's ubatches route fewer tokens each and fill their blocks more unevenly: their factor
+    must not become the unsplit step's (which would send the split's padding), and a size that was
+    not measured falls back to the largest factor."""
+    # as one rank of four (the link stand-in), so a rank's blocks hold a share of its tokens
+    link = HostLink(4, bandwidth_gbps=1000.0)
+    model = build_model(ModelConfig.preset("tiny-deepseek", capacity_factor=3.0), device="cpu", ep_group=link)
+    step, _ = make_step(model, [1] * 128 + [9, 7], [5] * 128 + [0, 3])  # 144 tokens
+    modes = parse_modes("overlap,split2,split3")  # the unsplit step first
+    measured = measure_capacity(model, [eager_call(model, step, mode) for mode in modes], margin=1.0)
+    assert sorted(measured.shape_dispatch) == [(1, 48), (1, 72), (1, 144)]
+    fills = {tokens: measured.shape_dispatch_fill[1, tokens][0] for _, tokens in measured.shape_dispatch}
+    assert measured.dispatch_fill == max(fills.values()) and measured.dispatch >= max(fills.values())
+    assert fills[144] < max(fills[48], fills[72]), "fewer tokens per call fill their blocks more unevenly"
+    measured.apply(model)
+    layer = next(iter(model.moe_layers.values()))
+    for tokens, fill in fills.items():
+        factor = measured.shape_dispatch[1, tokens][0]
+        assert fill <= factor < max(fill, 1.0) + 0.05
+        assert layer.capacity(tokens) == [math.ceil(factor * balanced_chunk_rows(tokens, 16, 4, 4, 1)[0])]
+    assert layer.capacity(100) == [math.ceil(measured.dispatch * balanced_chunk_rows(100, 16, 4, 4, 1)[0])]
+    report = measured.report()
+    assert list(report["shape_dispatch"]) == ["1:48", "1:72", "1:144"]
+    with torch.inference_mode():
+        assert [dropped_share(model, eager_call(model, step, m), step) for m in modes] == [0.0] * len(modes)
 
 
 def test_measuring_needs_a_moe_model_a_run_and_a_margin_of_at_least_one():
@@ -138,6 +176,7 @@ def test_bench_measures_the_capacity_over_every_mode_before_timing_them(tmp_path
     assert capacity["margin"] == 1.1 and capacity["dispatch"] >= 1.1 * capacity["dispatch_fill"] - 1e-9
     assert list(capacity["chunk_dispatch"]) == ["2"] and len(capacity["chunk_dispatch"]["2"]) == 2
     assert [r["dropped_fraction"] for r in report["results"]] == [0.0] * 8
+    assert list(capacity["shape_dispatch"]) == ["1:16", "1:32", "1:64", "2:32", "2:64"]  # split2's halves, pipeline2
     assert "capacity factors" in capsys.readouterr().out
 
 
@@ -156,42 +195,46 @@ def test_bench_refuses_a_measured_capacity_it_cannot_measure(argv, message, caps
 
 
 def _fills_are_the_largest_over_ranks(rank, world):
-    """Each rank records its own routing; fills() returns, per expert-group count and chunk, the
-    largest fill of either rank, on both."""
+    """Each rank records its own routing (its own tokens, as many as the other rank's); fills()
+    returns, per call shape (expert groups, tokens) and chunk, the largest fill of either rank, on
+    both."""
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     layer = next(iter(model.moe_layers.values()))
     recorder = RoutingFill(model)
     g = torch.Generator().manual_seed(rank)
-    inputs = [torch.randn(24 + 40 * rank, layer.router.shape[1], generator=g) for _ in range(2)]
+    shapes = [(1, 24), (2, 24), (1, 64)]
     own = {}
     with recorder, torch.no_grad():
-        for chunks, x in zip((1, 2), inputs):
+        for chunks, tokens in shapes:
+            x = torch.randn(tokens, layer.router.shape[1], generator=g)
             layer.expert_chunks = chunks
             layer(x)
-            own[chunks] = routing_fill(layer.route(x)[1], layer.num_local_experts, 1, chunks)
-    chunk_fills, expert_fill = recorder.fills()
+            own[chunks, tokens] = routing_fill(layer.route(x)[1], layer.num_local_experts, 1, chunks).tolist()
+    shape_fills, expert_fill = recorder.fills()
     both = [None, None]
-    torch.distributed.all_gather_object(both, {k: v.tolist() for k, v in own.items()})
-    for chunks in (1, 2):
-        largest = [max(a, b) for a, b in zip(both[0][chunks], both[1][chunks])]
-        assert chunk_fills[chunks] == pytest.approx(tuple(largest[:chunks]))
-    assert expert_fill == pytest.approx(max(fills[k][-1] for fills in both for k in (1, 2)))
+    torch.distributed.all_gather_object(both, own)
+    assert sorted(shape_fills) == sorted(shapes)
+    for shape in shapes:
+        largest = [max(a, b) for a, b in zip(both[0][shape], both[1][shape])]
+        assert shape_fills[shape] == pytest.approx(tuple(largest[: shape[0]]))
+    assert expert_fill == pytest.approx(max(fills[shape][-1] for fills in both for shape in shapes))
 
 
 def test_fills_are_the_largest_over_the_ranks():
     run_distributed(_fills_are_the_largest_over_ranks, 2)
 
 
-def _ranks_that_measured_different_group_counts(rank, world):
+def _ranks_that_measured_different_shapes(rank, world):
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     layer = next(iter(model.moe_layers.values()))
     layer.expert_chunks = 1 + rank
     recorder = RoutingFill(model)
     with recorder, torch.no_grad():
         layer(torch.randn(16, layer.router.shape[1]))
-    with pytest.raises(RuntimeError, match=r"ranks measured different expert-group counts: \[\[1\], \[2\]\]"):
+    shapes = re.escape("calls of different shapes (expert groups, tokens): [[(1, 16)], [(2, 16)]]")
+    with pytest.raises(RuntimeError, match=shapes):
         recorder.fills()
 
 
-def test_ranks_that_measured_different_group_counts_get_an_error_not_a_hang():
-    run_distributed(_ranks_that_measured_different_group_counts, 2)
+def test_ranks_that_measured_different_shapes_get_an_error_not_a_hang():
+    run_distributed(_ranks_that_measured_different_shapes, 2)

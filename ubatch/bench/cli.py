@@ -382,10 +382,15 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 f"; with {k} expert groups, per chunk {' / '.join(f'{f:g}' for f in factors)}"
                 for k, factors in capacity.get("chunk_dispatch", {}).items()
             )
+            per_shape = ", ".join(
+                f"{shape} {' / '.join(f'{f:g}' for f in factors)}"
+                for shape, factors in capacity.get("shape_dispatch", {}).items()
+            )
             print(
                 f"- capacity factors {capacity['dispatch']:g} (dispatch) and {capacity['expert']:g} (experts): "
                 f"the fullest block held {capacity['dispatch_fill']:g}x its balanced share and the fullest "
                 f"expert {capacity['expert_fill']:g}x, times a margin of {capacity['margin']:g}{per_chunk}"
+                + (f"; per call (expert groups:tokens) {per_shape}" if per_shape else "")
             )
         return
     if args.quick:

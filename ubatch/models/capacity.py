@@ -20,12 +20,20 @@ A call's fill is two ratios, each a count over its balanced share, and each sets
 Both are local to a rank: no collective runs while measuring, inside ubatches or not; the result
 is the maximum over ranks.
 
-Block fills are kept per expert-group count K and per dispatch chunk, and each chunk gets its own
-factor: with top-8 of 64 experts a late group's chunk holds few rows whose count varies a lot
-against its share, and one factor for every chunk and every K let those few rows set the capacity
-of the unsplit step's single chunk too (deepseek-bench in run 11: 2.1 for every mode). Chunk c's
-factor covers its dispatch blocks and the combine chunk of the same size (K - 1 - c: the
-combine's chunks take the dispatch sizes in reverse order).
+Block fills are kept per call shape (expert-group count K and tokens per call) and per dispatch
+chunk, and each chunk of each shape gets its own factor:
+
+- with top-8 of 64 experts a late group's chunk holds few rows whose count varies a lot against
+  its share, and one factor for every chunk and every K let those few rows set the capacity of
+  the unsplit step's single chunk too (deepseek-bench in run 11: 2.1 for every mode);
+- a split's ubatches route fewer tokens each, so their blocks fill more unevenly, and one factor
+  for every call size made the unsplit step send the split's padding (moe-bench prefill at 4096
+  tokens over the stand-in, run 17: with `split3` and `split4` measured beside it, the unsplit
+  step's transfers took 1.22x as long as in a run that measured it alone, at one link setting).
+
+Chunk c's factor covers its dispatch blocks and the combine chunk of the same size (K - 1 - c:
+the combine's chunks take the dispatch sizes in reverse order). A call of a shape that was not
+measured takes the largest factor of its K (of any K for one group).
 """
 
 from __future__ import annotations
@@ -67,14 +75,20 @@ def routing_fill(ids: torch.Tensor, num_experts: int, world: int, chunks: int) -
     return torch.cat([torch.maximum(dispatch, combine.flip(0)), expert[None]])
 
 
+Shape = tuple[int, int]
+"""A MoE layer call's (expert-group count, tokens): what its dispatch blocks are sized by."""
+
+
 @dataclass(frozen=True)
 class MeasuredCapacity:
     """Capacity factors from measured fills, each its fill times the margin, rounded up:
-    ``dispatch`` for the rows each rank sends each destination with one expert group
-    (``MoEFFN.capacity_factor``), ``chunk_dispatch`` per dispatch chunk for each expert-group count
-    K > 1 that ran (``MoEFFN.chunk_capacity_factors``), ``expert`` for the rows of one expert in
-    the padded expert GEMM (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a
-    block of many experts). Where no one-group call ran, ``dispatch`` covers every chunk seen."""
+    ``shape_dispatch`` per dispatch chunk for each call shape (K, tokens) that ran
+    (``MoEFFN.shape_capacity_factors``); for calls of other shapes, ``dispatch`` (the largest
+    one-group factor, ``MoEFFN.capacity_factor``) and ``chunk_dispatch`` per chunk for each
+    expert-group count K > 1 (the largest over its sizes, ``MoEFFN.chunk_capacity_factors``);
+    ``expert`` for the rows of one expert in the padded expert GEMM
+    (``MoEFFN.expert_capacity_factor``; one expert's rows vary more than a block of many experts),
+    the largest over every call. Where no one-group call ran, ``dispatch`` covers every chunk seen."""
 
     dispatch: float
     expert: float
@@ -83,6 +97,8 @@ class MeasuredCapacity:
     margin: float
     chunk_dispatch: dict[int, tuple[float, ...]] = field(default_factory=dict)
     chunk_dispatch_fill: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    shape_dispatch: dict[Shape, tuple[float, ...]] = field(default_factory=dict)
+    shape_dispatch_fill: dict[Shape, tuple[float, ...]] = field(default_factory=dict)
 
     def apply(self, model: Any) -> None:
         """Set every MoE layer of ``model`` to these factors."""
@@ -90,6 +106,7 @@ class MeasuredCapacity:
             layer.capacity_factor = self.dispatch
             layer.expert_capacity_factor = self.expert
             layer.chunk_capacity_factors = dict(self.chunk_dispatch)
+            layer.shape_capacity_factors = dict(self.shape_dispatch)
 
     def report(self) -> dict[str, Any]:
         """The factors and fills for a JSON report (chunk counts as string keys), rounded."""
@@ -105,19 +122,26 @@ class MeasuredCapacity:
             "margin": round(self.margin, 4),
             "chunk_dispatch": {str(k): rounded(v) for k, v in self.chunk_dispatch.items()},
             "chunk_dispatch_fill": {str(k): rounded(v) for k, v in self.chunk_dispatch_fill.items()},
+            "shape_dispatch": {shape_key(s): rounded(v) for s, v in sorted(self.shape_dispatch.items())},
+            "shape_dispatch_fill": {shape_key(s): rounded(v) for s, v in sorted(self.shape_dispatch_fill.items())},
         }
+
+
+def shape_key(shape: Shape) -> str:
+    """A call shape as a report's key: "K:tokens" (expert groups, tokens per call)."""
+    return f"{shape[0]}:{shape[1]}"
 
 
 class RoutingFill:
     """While open, records the routing fill of every call of every MoE layer of ``model`` (a
-    forward pre-hook per layer that routes the layer's input again; measurement only), per
-    expert-group count."""
+    forward pre-hook per layer that routes the layer's input again; measurement only), per call
+    shape (expert-group count, tokens)."""
 
     def __init__(self, model: Any) -> None:
         self.layers = list(getattr(model, "moe_layers", {}).values())
         if not self.layers:
             raise ValueError("RoutingFill needs a MoE model (one with moe_layers); this one has none")
-        self._fills: dict[int, list[torch.Tensor]] = {}
+        self._fills: dict[Shape, list[torch.Tensor]] = {}
         self._hooks: list[Any] = []
 
     def __enter__(self) -> RoutingFill:
@@ -137,30 +161,35 @@ class RoutingFill:
         _, ids = layer.route(x)
         num_experts = layer.num_local_experts * layer.ep_world
         chunks = layer.expert_chunks
-        self._fills.setdefault(chunks, []).append(routing_fill(ids, num_experts, layer.ep_world, chunks))
+        shape = (chunks, x.shape[0])
+        self._fills.setdefault(shape, []).append(routing_fill(ids, num_experts, layer.ep_world, chunks))
 
-    def fills(self, group: Any = None) -> tuple[dict[int, tuple[float, ...]], float]:
-        """(per expert-group count, the fullest block fill per dispatch chunk; the fullest
-        expert's fill): the largest recorded, over every rank of ``group`` when distributed (every
-        rank calls this alike); RuntimeError if no MoE layer ran, or if the ranks ran different
-        expert-group counts."""
+    def fills(self, group: Any = None) -> tuple[dict[Shape, tuple[float, ...]], float]:
+        """(per call shape (expert-group count, tokens), the fullest block fill per dispatch
+        chunk; the fullest expert's fill): the largest recorded, over every rank of ``group`` when
+        distributed (every rank calls this alike); RuntimeError if no MoE layer ran, or if the
+        ranks ran calls of different shapes."""
         if not self._fills:
             raise RuntimeError("RoutingFill recorded no MoE layer call: run the model inside the with block")
-        counts = sorted(self._fills)
-        fill = torch.cat([torch.stack(self._fills[k]).amax(dim=0).to(torch.float64) for k in counts])
+        shapes = sorted(self._fills)
+        fill = torch.cat([torch.stack(self._fills[s]).amax(dim=0).to(torch.float64) for s in shapes])
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             every = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, counts, group=group)  # fills of other lengths would hang the max
-            if any(other != counts for other in every):
-                raise RuntimeError(f"ranks measured different expert-group counts: {every}; run the same modes on each")
+            dist.all_gather_object(every, shapes, group=group)  # fills of other lengths would hang the max
+            if any(other != shapes for other in every):
+                raise RuntimeError(
+                    f"ranks measured calls of different shapes (expert groups, tokens): {every}; "
+                    "run the same modes on the same tokens per rank on each"
+                )
             dist.all_reduce(fill, op=dist.ReduceOp.MAX, group=group)
         values = fill.tolist()
-        chunk_fills: dict[int, tuple[float, ...]] = {}
+        shape_fills: dict[Shape, tuple[float, ...]] = {}
         expert = 0.0
-        for k in counts:
-            chunk_fills[k], expert = tuple(values[:k]), max(expert, values[k])
+        for shape in shapes:
+            k = shape[0]
+            shape_fills[shape], expert = tuple(values[:k]), max(expert, values[k])
             values = values[k + 1 :]
-        return chunk_fills, expert
+        return shape_fills, expert
 
 
 def _factor(fill: float, margin: float) -> float:
@@ -178,28 +207,37 @@ def measure_capacity(
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
         raise ValueError(f"margin must be a number >= 1, got {margin!r}")
     recorder = RoutingFill(model)
-    saved = [
-        (layer.capacity_factor, layer.expert_capacity_factor, layer.chunk_capacity_factors) for layer in recorder.layers
-    ]
+    names = ("capacity_factor", "expert_capacity_factor", "chunk_capacity_factors", "shape_capacity_factors")
+    saved = [{name: getattr(layer, name) for name in names} for layer in recorder.layers]
     try:
         for layer in recorder.layers:
             layer.capacity_factor = layer.expert_capacity_factor = None
-            layer.chunk_capacity_factors = {}
+            layer.chunk_capacity_factors, layer.shape_capacity_factors = {}, {}
         with recorder, torch.inference_mode():
             for run in runs:
                 run()
     finally:
-        for layer, (dispatch, expert, chunks) in zip(recorder.layers, saved):
-            layer.capacity_factor, layer.expert_capacity_factor, layer.chunk_capacity_factors = dispatch, expert, chunks
-    chunk_fills, expert_fill = recorder.fills(group)
+        for layer, factors in zip(recorder.layers, saved):
+            for name, value in factors.items():
+                setattr(layer, name, value)
+    shape_fills, expert_fill = recorder.fills(group)
+    chunk_fills: dict[int, tuple[float, ...]] = {}  # per K, the largest over its sizes
+    for (k, _), fills in shape_fills.items():
+        chunk_fills[k] = tuple(map(max, zip(chunk_fills.get(k, fills), fills)))
     one_group = chunk_fills.get(1) or (max(max(fills) for fills in chunk_fills.values()),)
     grouped = {k: fills for k, fills in chunk_fills.items() if k > 1}
+
+    def factors(fills: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(_factor(f, margin) for f in fills)
+
     return MeasuredCapacity(
         dispatch=_factor(one_group[0], margin),
         expert=_factor(expert_fill, margin),
         dispatch_fill=one_group[0],
         expert_fill=expert_fill,
         margin=margin,
-        chunk_dispatch={k: tuple(_factor(f, margin) for f in fills) for k, fills in grouped.items()},
+        chunk_dispatch={k: factors(fills) for k, fills in grouped.items()},
         chunk_dispatch_fill=grouped,
+        shape_dispatch={shape: factors(fills) for shape, fills in shape_fills.items()},
+        shape_dispatch_fill=shape_fills,
     )

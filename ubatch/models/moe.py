@@ -183,6 +183,7 @@ class MoEFFN(nn.Module):
         self.local_first = False
         self.expert_capacity_factor: float | None = None
         self.chunk_capacity_factors: dict[int, tuple[float, ...]] = {}
+        self.shape_capacity_factors: dict[tuple[int, int], tuple[float, ...]] = {}
         self.use_grouped_mm = expert_compute.grouped_mm_supported(device, config.dtype, hidden, inter)
         self._layouts: dict[tuple[tuple[int, ...], torch.device], _Layout] = {}
 
@@ -191,15 +192,21 @@ class MoEFFN(nn.Module):
         tokens (a chunk per expert group, by the earliest group of a token's experts there; the
         combine's chunks, by the latest, take the same sizes in reverse order): the worst case,
         every token, or a capacity factor times what a uniform router sends there
-        (``dispatch.balanced_chunk_rows``), at least 1 and at most the worst case. The factor is
-        ``capacity_factor``, or per chunk ``chunk_capacity_factors[expert_chunks]`` where set
-        (``capacity.MeasuredCapacity``)."""
+        (``dispatch.balanced_chunk_rows``), at least 1 and at most the worst case. The factors per
+        chunk are ``shape_capacity_factors[(expert_chunks, num_tokens)]``, else
+        ``chunk_capacity_factors[expert_chunks]``, else ``capacity_factor`` for every chunk
+        (``capacity.MeasuredCapacity`` sets all three)."""
         chunks = self.expert_chunks
         if self.capacity_factor is None:
             return [num_tokens] * chunks
-        factors = self.chunk_capacity_factors.get(chunks, (self.capacity_factor,) * chunks)
+        shape = (chunks, num_tokens)
+        if shape in self.shape_capacity_factors:
+            factors, name = self.shape_capacity_factors[shape], f"shape_capacity_factors[{shape}]"
+        else:
+            factors = self.chunk_capacity_factors.get(chunks, (self.capacity_factor,) * chunks)
+            name = f"chunk_capacity_factors[{chunks}]"
         if len(factors) != chunks:
-            raise ValueError(f"{self.name}: chunk_capacity_factors[{chunks}] must hold {chunks} factors, got {factors}")
+            raise ValueError(f"{self.name}: {name} must hold {chunks} factors, got {factors}")
         experts = self.num_local_experts * self.ep_world
         shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, chunks)
         return [max(1, min(num_tokens, math.ceil(f * share))) for f, share in zip(factors, shares)]
