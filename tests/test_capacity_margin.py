@@ -238,3 +238,20 @@ def _ranks_that_measured_different_shapes(rank, world):
 
 def test_ranks_that_measured_different_shapes_get_an_error_not_a_hang():
     run_distributed(_ranks_that_measured_different_shapes, 2)
+
+
+def test_the_unsplit_step_sends_the_same_bytes_whatever_modes_were_measured_beside_it():
+    """A probe of the unsplit step alone and a sweep of it beside splits must time one payload:
+    measuring the splits too must not grow the unsplit step's padding."""
+    link = HostLink(4, bandwidth_gbps=1000.0)
+    model = build_model(ModelConfig.preset("tiny-deepseek", capacity_factor=3.0), device="cpu", ep_group=link)
+    step, _ = make_step(model, [1] * 128 + [9, 7], [5] * 128 + [0, 3])
+    unsplit = eager_call(model, step, parse_modes("overlap")[0])
+    sent = []
+    for modes in ("overlap", "overlap,split2,split3"):
+        measure_capacity(model, [eager_call(model, step, m) for m in parse_modes(modes)]).apply(model)
+        before = link.bytes_moved
+        with torch.inference_mode():
+            unsplit()
+        sent.append(link.bytes_moved - before)
+    assert sent[0] == sent[1] > 0
