@@ -18,8 +18,9 @@ from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.dispatch import dispatch_plan, static_tables
 from ubatch.models.expert_compute import pad_expert_rows, sort_by_expert
-from ubatch.models.layers import add_rms_norm, rms_norm, rotate_neox
+from ubatch.models.layers import add_rms_norm, rms_norm
 from ubatch.models.moe import route_top_k
+from ubatch.models.rotary import rotate_neox_eager
 
 
 def _inputs(tokens: int, seed: int):
@@ -32,7 +33,7 @@ def _inputs(tokens: int, seed: int):
     return {
         rms_norm: (x, torch.rand(32, generator=g), 1e-6),
         add_rms_norm: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
-        rotate_neox: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
+        rotate_neox_eager: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
         dispatch_plan: (x, ids, weights, 4, 2, 2, caps, static_tables(list(caps), 2, torch.device("cpu"))),
         pad_expert_rows: (torch.randn(tokens, 32, generator=g), expert, 4, tokens),  # three experts per row
         sort_by_expert: (torch.randn(tokens, 32, generator=g), expert.view(tokens, 3), 4),
@@ -55,7 +56,7 @@ def _defined(fn, result):
     [
         "rms_norm",
         "add_rms_norm",
-        "rotate_neox",
+        "rotate_neox_eager",
         "dispatch_plan",
         "pad_expert_rows",
         "sort_by_expert",

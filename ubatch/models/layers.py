@@ -22,6 +22,7 @@ from ubatch.attention import Attention
 from ubatch.link import is_link
 from ubatch.models.config import ModelConfig
 from ubatch.models.fusion import fused
+from ubatch.models.rotary import rotate_neox
 from ubatch.models.swiglu import swiglu
 
 
@@ -92,9 +93,9 @@ def add_rms_norm(
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (halves rotated), angles computed from the positions given,
-    so there is no maximum length and no per-step table. ``rotate`` turns any number of heads
-    at once, so a layer rotates its query and key heads in one pass (half the host launches)."""
+    """Neox-style rotary embedding (halves rotated, ``ubatch.models.rotary``), angles computed
+    from the positions given, so there is no maximum length and no per-step table. ``rotate``
+    turns any number of heads at once, so a layer rotates its query and key heads in one pass."""
 
     def __init__(self, head_dim: int, theta: float, *, device: torch.device) -> None:
         super().__init__()
@@ -105,15 +106,6 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, heads * head_dim]``, every head of token t rotated by position ``positions[t]``."""
         return rotate_neox(x, positions, self.inv_freq, self.head_dim)
-
-
-@fused
-def rotate_neox(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x.view(x.shape[0], -1, head_dim).float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.flatten(1).to(x.dtype)
 
 
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, tp_group: Any, chunks: int = 1) -> torch.Tensor:
