@@ -60,6 +60,14 @@ def test_the_layer_takes_a_factor_per_dispatch_chunk_where_one_is_set():
     layer.expert_chunks = 2
     with pytest.raises(ValueError, match=r"chunk_capacity_factors\[2\] must hold 2 factors, got \(1.0,\)"):
         layer.capacity(400)
+    layer.chunk_capacity_factors = {2: (1.0, 2.0)}
+    layer.shape_capacity_factors = {(2, 400): (1.5, 1.5), (2, 300): (1.5,)}  # a shape's own factors come first
+    assert layer.capacity(400) == expected([1.5, 1.5]) and layer.capacity(200) == [
+        min(200, math.ceil(f * share))
+        for f, share in zip((1.0, 2.0), balanced_chunk_rows(200, config.num_experts, config.top_k, 1, 2))
+    ]
+    with pytest.raises(ValueError, match=r"shape_capacity_factors\[\(2, 300\)\] must hold 2 factors"):
+        layer.capacity(300)
 
 
 def test_the_padded_expert_gemm_takes_its_own_factor_where_one_is_set():

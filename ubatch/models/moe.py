@@ -200,12 +200,12 @@ class MoEFFN(nn.Module):
         if self.capacity_factor is None:
             return [num_tokens] * chunks
         shape = (chunks, num_tokens)
-        if shape in self.shape_capacity_factors:
-            factors, name = self.shape_capacity_factors[shape], f"shape_capacity_factors[{shape}]"
-        else:
+        factors = self.shape_capacity_factors.get(shape)
+        if factors is None:
             factors = self.chunk_capacity_factors.get(chunks, (self.capacity_factor,) * chunks)
-            name = f"chunk_capacity_factors[{chunks}]"
         if len(factors) != chunks:
+            name = f"shape_capacity_factors[{shape}]" if shape in self.shape_capacity_factors else ""
+            name = name or f"chunk_capacity_factors[{chunks}]"
             raise ValueError(f"{self.name}: {name} must hold {chunks} factors, got {factors}")
         experts = self.num_local_experts * self.ep_world
         shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, chunks)
