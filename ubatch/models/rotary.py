@@ -2,8 +2,8 @@
 
 Why a kernel: eagerly the rotation is 13 kernels per layer (the heads copied to float32, four
 multiplies and two adds over halves, a concatenation and a copy back, the angles' cosine and sine
-again in every layer): 0.107 ms per layer of a 1024-token decode step on an H100, about a tenth
-of what its roofline allows the whole layer (run 16's trace, benchmarks/RESULTS.md run 17). One
+again in every layer): 0.107 ms per layer of a 1024-token decode step on an H100, 6% of the time
+its roofline allows the whole layer (run 16's trace, benchmarks/RESULTS.md run 17). One
 Triton program per token and group of heads reads each head once, computes in float32 and writes
 the result once.
 
