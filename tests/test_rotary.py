@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.interpreted import DONE, run_interpreted
-from ubatch.models.rotary import rotate_neox, rotate_neox_eager
+from ubatch.models.rotary import rotate_neox
 
 
 def reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -34,7 +34,6 @@ def test_eager_rotation_matches_the_reference(dtype):
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(out.double(), reference(x, positions, inv_freq, 16), rtol=tolerance, atol=tolerance)
-    assert torch.equal(out, rotate_neox_eager(x, positions, inv_freq, 16))
 
 
 @pytest.mark.parametrize(
