@@ -18,8 +18,8 @@ from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.dispatch import dispatch_plan, static_tables
 from ubatch.models.expert_compute import pad_expert_rows, sort_by_expert
-from ubatch.models.layers import add_rms_norm, rms_norm
 from ubatch.models.moe import route_top_k
+from ubatch.models.rms_norm import add_rms_norm_eager, rms_norm_eager
 from ubatch.models.rotary import rotate_neox_eager
 
 
@@ -31,8 +31,8 @@ def _inputs(tokens: int, seed: int):
     expert = torch.randint(-1, 4, (3 * tokens,), generator=g)
     caps = (max(1, tokens // 2), max(1, tokens // 4))  # two ranks, two chunks of different capacities
     return {
-        rms_norm: (x, torch.rand(32, generator=g), 1e-6),
-        add_rms_norm: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
+        rms_norm_eager: (x, torch.rand(32, generator=g), 1e-6),
+        add_rms_norm_eager: (x, torch.randn(tokens, 32, generator=g), torch.rand(32, generator=g), 1e-6),
         rotate_neox_eager: (x, torch.arange(tokens), torch.rand(4, generator=g), 8),
         dispatch_plan: (x, ids, weights, 4, 2, 2, caps, static_tables(list(caps), 2, torch.device("cpu"))),
         pad_expert_rows: (torch.randn(tokens, 32, generator=g), expert, 4, tokens),  # three experts per row
@@ -54,8 +54,8 @@ def _defined(fn, result):
 @pytest.mark.parametrize(
     "name",
     [
-        "rms_norm",
-        "add_rms_norm",
+        "rms_norm_eager",
+        "add_rms_norm_eager",
         "rotate_neox_eager",
         "dispatch_plan",
         "pad_expert_rows",
@@ -86,9 +86,9 @@ def test_nothing_compiles_on_cpu_or_outside_fused_glue(monkeypatch):
     monkeypatch.setattr(torch, "compile", refuse)
     x, weight = torch.randn(3, 8), torch.rand(8)
     with fusion.fused_glue():
-        torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+        torch.testing.assert_close(rms_norm_eager(x, weight, 1e-6), rms_norm_eager.eager(x, weight, 1e-6))
     if torch.cuda.is_available():
-        rms_norm(x.cuda(), weight.cuda(), 1e-6)
+        rms_norm_eager(x.cuda(), weight.cuda(), 1e-6)
 
 
 def test_fused_glue_compiles_once_with_dynamic_shapes_or_once_for_per_shape_use(monkeypatch):

@@ -16,7 +16,8 @@ from torch import nn
 
 from ubatch.attention import Attention
 from ubatch.models.config import ModelConfig
-from ubatch.models.layers import RMSNorm, SelfAttention, SwiGLUMLP, add_rms_norm, frozen, init_weight
+from ubatch.models.layers import RMSNorm, SelfAttention, SwiGLUMLP, frozen, init_weight
+from ubatch.models.rms_norm import add_rms_norm
 
 
 class DecoderLayer(nn.Module):

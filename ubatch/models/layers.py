@@ -21,7 +21,7 @@ from ubatch import comm
 from ubatch.attention import Attention
 from ubatch.link import is_link
 from ubatch.models.config import ModelConfig
-from ubatch.models.fusion import fused
+from ubatch.models.rms_norm import rms_norm
 from ubatch.models.rotary import rotate_neox
 from ubatch.models.swiglu import swiglu
 
@@ -76,20 +76,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
-
-
-@fused
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, its RMSNorm): a residual add and the next block's norm in one pass."""
-    total = x + delta
-    return total, F.rms_norm(total.float(), weight.shape, weight.float(), eps).to(total.dtype)
 
 
 class RotaryEmbedding(nn.Module):
