@@ -878,13 +878,25 @@ def test_flash_preference_order(monkeypatch, present, chosen):
     assert isinstance(get_backend(None, "cpu"), TorchBackend)
 
 
-def test_the_triton_backend_fronts_the_automatic_choice(monkeypatch):
-    install_fakes(monkeypatch, ["fa4"], triton=True)
-    backend = get_backend("triton", "cuda")
-    assert isinstance(backend, backends_module.DecodeKernelBackend)
-    assert isinstance(backend.inner, FlashAttentionBackend) and backend.inner.version == "fa4"
-    assert available_backends("cuda") == ["torch", "flash", "triton"]
-    install_fakes(monkeypatch, ["fa4"], triton=False)
+@pytest.mark.parametrize("flash", [["fa4"], []], ids=["flash", "no-flash"])
+def test_the_decode_kernel_fronts_the_automatic_choice_where_triton_runs(monkeypatch, flash):
+    """None and "triton": the decode kernel in front of flash-attn (torch for what it cannot
+    run) or torch; "flash" stays flash-attn alone; without Triton, None is the inner choice and
+    "triton" an error."""
+    install_fakes(monkeypatch, flash, triton=True)
+    for name in (None, "triton"):
+        backend = get_backend(name, "cuda")
+        assert isinstance(backend, backends_module.DecodeKernelBackend)
+        if flash:
+            assert isinstance(backend.inner, FlashAttentionBackend) and backend.inner.version == "fa4"
+            assert isinstance(backend.inner.fallback, TorchBackend)
+        else:
+            assert isinstance(backend.inner, TorchBackend)
+    if flash:
+        assert isinstance(get_backend("flash", "cuda"), FlashAttentionBackend)
+    assert available_backends("cuda") == ["torch", *(["flash"] if flash else []), "triton"]
+    install_fakes(monkeypatch, flash, triton=False)
+    assert not isinstance(get_backend(None, "cuda"), backends_module.DecodeKernelBackend)
     with pytest.raises(RuntimeError, match="'triton' needs Triton"):
         get_backend("triton", "cuda")
 

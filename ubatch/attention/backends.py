@@ -326,10 +326,11 @@ def describe_backend(backend: AttentionBackend) -> str:
 
 
 def get_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """Resolve a backend for ``device``: None picks flash-attn on CUDA when importable (torch for
-    the queries it cannot run), else torch; "triton" puts the Triton decode kernel in front of
-    that choice (``DecodeKernelBackend``). Naming "flash" or "triton" where it cannot run is an
-    error rather than a silent fallback."""
+    """Resolve a backend for ``device``. None on CUDA: decode steps through the Triton decode
+    kernel where Triton runs (``DecodeKernelBackend``), every other step through flash-attn where
+    importable (torch for the queries it cannot run), else torch; None elsewhere: torch. "triton"
+    is that choice with Triton required, "flash" flash-attn alone for every step. Naming "flash"
+    or "triton" where it cannot run is an error rather than a silent fallback."""
     device = torch.device(device)
     if name is not None and name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; valid: {list(BACKEND_NAMES)}")
@@ -340,15 +341,15 @@ def get_backend(name: str | None, device: torch.device | str) -> AttentionBacken
             f"attention backend {name!r} needs a CUDA device, got {device}; "
             f"use backend='torch' (or None to choose automatically)"
         )
-    if name == "triton":
-        if not triton_available(device):
-            raise RuntimeError("attention backend 'triton' needs Triton (pip install triton); or use backend=None")
-        return DecodeKernelBackend(get_backend(None, device))
-    flash, failures = load_flash_attn(fallback=TorchBackend() if name is None else None)
+    if name == "triton" and not triton_available(device):
+        raise RuntimeError("attention backend 'triton' needs Triton (pip install triton); or use backend=None")
+    if name in (None, "triton"):
+        flash, _ = load_flash_attn(fallback=TorchBackend())
+        inner = flash if flash is not None else TorchBackend()
+        return DecodeKernelBackend(inner) if triton_available(device) else inner
+    flash, failures = load_flash_attn()
     if flash is not None:
         return flash
-    if name is None:
-        return TorchBackend()
     raise RuntimeError(
         "attention backend 'flash' needs flash-attn, but none is importable ("
         + "; ".join(failures)

@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=["auto", "torch", "flash", "triton"],
         default="auto",
-        help="attention backend: auto takes flash-attn on CUDA where it is installed (the torch backend "
-        "for queries it cannot run), else torch; flash without flash-attn or CUDA is an error; triton: "
-        "decode steps through ubatch's Triton decode kernel, the rest as auto",
+        help="attention backend: auto on CUDA takes decode steps through ubatch's Triton decode kernel "
+        "where Triton runs and the rest through flash-attn where installed (torch for queries it cannot "
+        "run), else torch; triton: auto with Triton required; flash: flash-attn alone (an error without "
+        "flash-attn or CUDA)",
     )
     p.add_argument(
         "--graphs",
