@@ -163,6 +163,26 @@ def test_attention_block_matches_direct_causal_attention():
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe-shared"])
+def test_decoder_is_the_pre_norm_residual_stack(preset):
+    """The decoder's forward (each residual add folded into the next norm) against the blocks
+    composed as written: h = x + attn(norm1(x)), x = h + ffn(norm2(h)), then the final norm."""
+    config = ModelConfig.preset(preset, num_layers=3)
+    model = build_model(config, device="cpu")
+    lengths = [4, 7]
+    step, _ = make_step(model, lengths, seed=1)
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers):
+        x = F.embedding(step.input_ids, model.embed)
+        for layer in model.layers:
+            h = x + layer.attn(layer.input_norm(x), step.positions)
+            x = h + layer.ffn(layer.post_attn_norm(h))
+        expected = model.norm(x)
+    step, _ = make_step(model, lengths, seed=1)  # a fresh cache: the pass above wrote its K and V
+    with torch.inference_mode(), set_forward_context(step.attn_metadata, no_compile_layers=model.attention_layers):
+        out = model(step.input_ids, step.positions)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
 # ----- MoE dispatch ---------------------------------------------------------------------------
 
 
