@@ -21,7 +21,11 @@ from ubatch.models.rms_norm import add_rms_norm
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    The block's last residual add is left to its caller, which folds it into the next block's
+    norm (or the final one): ``forward`` takes the previous block's FFN output with ``x`` and
+    returns ``(x, ffn output)``, so every add meets its norm in one pass (``add_rms_norm``)."""
 
     def __init__(self, attn: SelfAttention, ffn: nn.Module, config: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -30,10 +34,20 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_eps, dtype=config.dtype, device=device)
         self.ffn = ffn
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        norm = self.post_attn_norm
-        x, normed = add_rms_norm(x, self.attn(self.input_norm(x), positions), norm.weight, norm.eps)
-        return x + self.ffn(normed)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, pending: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pending``: the previous block's FFN output, not yet added to ``x`` (None: nothing)."""
+        x, normed = _add_norm(x, pending, self.input_norm)
+        x, normed = _add_norm(x, self.attn(normed, positions), self.post_attn_norm)
+        return x, self.ffn(normed)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm by ``norm``); without ``delta``, (x, norm(x))."""
+    if delta is None:
+        return x, norm(x)
+    return add_rms_norm(x, delta, norm.weight, norm.eps)
 
 
 class Decoder(nn.Module):
@@ -100,10 +114,10 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the flattened batch."""
-        x = F.embedding(input_ids, self.embed)
+        x, pending = F.embedding(input_ids, self.embed), None
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+            x, pending = layer(x, positions, pending)
+        return _add_norm(x, pending, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab]."""
