@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -190,6 +190,15 @@ if want decode_kernel; then  # the Triton decode kernel (attention backend "trit
     run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
       --attention "$attention" --out "$OUT/modes_moe_decode_nocomm_$attention.json" | tail -9
   done
+fi
+if want glue_kernels; then  # the rotary and RMSNorm kernels (one each, on by default on CUDA): their tests, the
+  # no-comm decode modes through the default backend (the roofline share), and what the 1024-token step still spends
+  timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_rotary.py tests/test_rms_norm.py 2>&1 \
+    | tee "$OUT/gpu_glue_kernel_tests.log" | tail -3
+  run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
+    --out "$OUT/modes_moe_decode_nocomm.json" | tail -9
+  timeout 120 python3 scripts/mode_kernels.py --tokens 1024 --modes overlap --top 14 2>&1 | grep -v -i warn \
+    | tee "$OUT/mode_kernels_moe_decode1024.log"
 fi
 if want decode_kernel_w8; then  # the same as one rank of eight, M / C 0.9, a call of its own
   for attention in flash triton; do
