@@ -419,6 +419,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for num_rows, hidden, n, cap, per_row in cases:
         x = torch.randn(num_rows, hidden + 3, generator=g).to(dtype)[:, :hidden]
         for first in (0, 2):  # the experts of a group from ``first`` on; the others' ids are padding
+            if num_rows > 1000 and (first or dtype != torch.float32):
+                continue  # the large case once: interpreted, it takes a minute a run
             expert = torch.randint(-1, n + 2 * first, (num_rows * per_row,), generator=g)
             padded, slot, dropped = expert_rows.pad_expert_rows_kernel(x, expert.to(torch.int32), n, cap, first)
             ref_padded, ref_slot, ref_dropped = expert_compute.pad_expert_rows(x, expert, n, cap, first)
