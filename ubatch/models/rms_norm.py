@@ -22,7 +22,7 @@ from ubatch.models.fusion import fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of ``x`` [..., hidden] scaled by ``weight`` [hidden]."""
     _check(x, weight)
-    if _kernel_runs(x):
+    if _kernel_runs(x, weight):
         return _norm_triton(x, None, weight, eps)[1]
     return rms_norm_eager(x, weight, eps)
 
@@ -34,7 +34,7 @@ def add_rms_norm(
     _check(x, weight)
     if delta.shape != x.shape or delta.dtype != x.dtype:
         raise ValueError(f"delta must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(delta.shape)}, {delta.dtype}")
-    if _kernel_runs(x) and delta.stride(-1) == 1:
+    if _kernel_runs(x, weight) and delta.stride(-1) == 1:
         return _norm_triton(x, delta, weight, eps)
     return add_rms_norm_eager(x, delta, weight, eps)
 
@@ -58,9 +58,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight must be [hidden] for x [..., hidden], got {shapes}")
 
 
-def _kernel_runs(x: torch.Tensor) -> bool:
-    """Rows of x must be contiguous (the kernel steps from row to row by one stride)."""
-    return triton_available(x.device) and x.stride(-1) == 1 and x.dim() == 2
+def _kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x 2-D with contiguous rows (the kernel steps from row to row by one stride), weight dense."""
+    return triton_available(x.device) and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(0) == 1
 
 
 def _norm_triton(
