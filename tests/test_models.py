@@ -476,8 +476,10 @@ def test_sort_by_expert_kernel_interpreted():
         + """
 placed = 0
 for dtype in (torch.float32, torch.bfloat16):
-    for case in sort_cases("cpu", dtype, 0):
-        placed += check_sort(*case)
+    for x, ids, n, first in sort_cases("cpu", dtype, 0):
+        if x.shape[1] > 1024 and dtype != torch.float32:
+            continue  # the case past one copy block once: interpreted, it takes a quarter minute a run
+        placed += check_sort(x, ids, n, first)
 assert placed > 0
 print("interpreted kernel ok")
 """,
