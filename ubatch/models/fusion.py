@@ -1,6 +1,6 @@
-"""The reference models' elementwise glue (norms, the combine, and the rotary embedding and the
-MoE dispatch plan where their Triton kernels do not take them), compiled by ``torch.compile`` into
-a few fused kernels on CUDA.
+"""The reference models' elementwise glue (the combine, and the norms, the rotary embedding and
+the MoE dispatch plan where their Triton kernels do not take them), compiled by ``torch.compile``
+into a few fused kernels on CUDA.
 
 Why: a decode step's glue is ~85 small kernels per layer; inside a CUDA graph each costs a few
 microseconds of launch gap whatever its size, and a token split launches every one of them once

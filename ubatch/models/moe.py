@@ -204,8 +204,8 @@ class MoEFFN(nn.Module):
         if factors is None:
             factors = self.chunk_capacity_factors.get(chunks, (self.capacity_factor,) * chunks)
         if len(factors) != chunks:
-            name = f"shape_capacity_factors[{shape}]" if shape in self.shape_capacity_factors else ""
-            name = name or f"chunk_capacity_factors[{chunks}]"
+            in_shapes = shape in self.shape_capacity_factors
+            name = f"shape_capacity_factors[{shape}]" if in_shapes else f"chunk_capacity_factors[{chunks}]"
             raise ValueError(f"{self.name}: {name} must hold {chunks} factors, got {factors}")
         experts = self.num_local_experts * self.ep_world
         shares = balanced_chunk_rows(num_tokens, experts, self.top_k, self.ep_world, chunks)
