@@ -310,7 +310,11 @@ def test_an_aborted_ubatch_whose_finally_yields_is_finished_before_the_next_call
 
 
 @pytest.mark.parametrize("yields_after_catching", [1, 3, 10_000])
-def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(yields_after_catching, caplog):
+def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown_out(
+    yields_after_catching, caplog, capfd
+):
+    """A worker thrown out is never resumed again: not by the garbage collector either, whose
+    ``GreenletExit`` the task would swallow (greenlet then says "GreenletExit did not kill")."""
     sched = UBatchScheduler(2, "cpu")
 
     def stubborn():
@@ -330,6 +334,9 @@ def test_a_task_that_swallows_the_abort_and_keeps_yielding_is_finished_or_thrown
         _check_next_call_is_clean(sched, 2)
     discarded = "its worker is discarded" in caplog.text
     assert discarded == (yields_after_catching >= 8)
+    del sched
+    gc.collect()
+    assert "did not kill" not in capfd.readouterr().err
 
 
 def test_a_task_that_swallows_the_abort_and_returns_leaves_nothing_behind():

@@ -51,6 +51,12 @@ ABORT_ATTEMPTS = 8
 
 _current: contextvars.ContextVar[UBatchState | None] = contextvars.ContextVar("ubatch_state", default=None)
 
+_refusing_workers: list[greenlet.greenlet] = []
+"""Workers discarded because their task would not stop: held here, never resumed, for the life of
+the process. Dropped, the garbage collector would throw ``GreenletExit`` into the task, which
+swallows it and yields: its ``yield_ubatch`` would then switch into whatever call runs at that
+moment, and greenlet leaks the worker anyway ("GreenletExit did not kill")."""
+
 
 class UBatchAborted(BaseException):
     """Thrown into a suspended ubatch when another one failed; never escapes the scheduler."""
@@ -528,6 +534,8 @@ class UBatchScheduler:
                 ABORT_ATTEMPTS,
             )
         state.discarded = True
+        if not worker.dead:
+            _refusing_workers.append(worker)
         pool.workers[i] = _start_worker()  # the worker first: a fresh state must never meet the old one
         pool.states[i] = self._make_state(i)
 
