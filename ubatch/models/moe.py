@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ubatch import comm, islands, scheduler
@@ -41,7 +42,6 @@ from ubatch.models.dispatch import (
 from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.return_places import place_returns
-from ubatch.models.router import route_top_k
 
 
 def _start_all_to_all(
@@ -501,6 +501,15 @@ class MoEFFN(nn.Module):
         factor = self.capacity_factor if self.expert_capacity_factor is None else self.expert_capacity_factor
         balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
         return expert_compute.padded_capacity(balanced, num_rows, factor, pipelined=self.expert_chunks > 1)
+
+
+def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left unfused: a token's experts must not depend on how its batch was cut, and a compiled
+    kernel's reduction order may change with the shapes it was specialised for, flipping a
+    near-tie. The router stays in float32 for the same reason (bf16 logits flip them too)."""
+    probs = F.linear(x.float(), router).softmax(dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
 def _consecutive(rows: list[int]) -> list[slice]:
