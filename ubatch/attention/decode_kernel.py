@@ -87,7 +87,7 @@ def decode_attention(
     if error is not None:
         raise error
     if not triton_available(q.device):
-        missing = "" if triton is not None else " (triton is not installed)"
+        missing = "" if triton is not None else " (Triton is not installed, or this torch has no CUDA)"
         raise ValueError(f"decode_attention runs on CUDA with Triton{missing}; q is on {q.device}")
     if num_splits is None:
         num_splits = _default_splits(q, kv_cache, block_table)
