@@ -92,19 +92,19 @@ def check_case(config, dtype, num_splits, launch, device="cpu", seed=0, query_le
 def test_kernel_interpreted():
     """The kernels under Triton's CPU interpreter: every config with one split, three splits
     (the later ones empty for short requests, as the per-split floor of chunks leaves them) and
-    three splits with no floor (every split of a long request busy), with one query token per
-    request and with three (causal: a request of one key has tokens that see none). fp16 only:
-    the interpreter (Triton 3.5) multiplies bf16 tl.dot operands as their uint16 bit patterns."""
+    three splits with no floor (every split of a long request busy), each split setting once per
+    config, with one query token per request or with three (causal: a request of one key has
+    tokens that see none); the CUDA test runs every combination. fp16 only: the interpreter
+    (Triton 3.5) multiplies bf16 tl.dot operands as their uint16 bit patterns."""
     run_interpreted(
         """
 import torch
 from tests.test_decode_kernel import CONFIGS, check_case
 from ubatch.attention import decode_kernel as m
 for config in CONFIGS:
-    for query_len in (1, 3):
-        for num_splits, min_chunks in ((1, 4), (3, 4), (3, 1)):
-            m._MIN_SPLIT_CHUNKS = min_chunks
-            check_case(config, torch.float16, num_splits, m._launch, query_len=query_len)
+    for query_len, num_splits, min_chunks in ((1, 1, 4), (3, 3, 4), (1, 3, 1)):
+        m._MIN_SPLIT_CHUNKS = min_chunks
+        check_case(config, torch.float16, num_splits, m._launch, query_len=query_len)
 print("interpreted kernel ok")
 """,
         timeout=300,
