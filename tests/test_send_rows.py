@@ -54,9 +54,9 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
 
 def test_kernels_interpreted():
     """The interpreter pays per program and loop step, so the blocks shrink (32 rows a scan
-    step, 64 slots a clearing step, 16 elements a copy step: a row of 24 spans two) and so do the
-    300-token case, to a tenth of its tokens and capacities; the 600-token one is left to the CUDA
-    test (as wide in its scan, and as long to interpret as all the others)."""
+    step, 64 slots a clearing step, 16 elements a copy step: a row of 24 spans two), the
+    300-token case runs with a tenth of its tokens and capacities, and the 600-token one is left
+    to the CUDA test (as wide in its scan, and as long to interpret as all the others)."""
     run_interpreted(
         CHECK
         + f"""
