@@ -12,10 +12,8 @@ import os
 
 import torch
 
-_WANTED = bool(torch.version.cuda or torch.version.hip) or os.environ.get("TRITON_INTERPRET") == "1"
-
 triton = tl = None
-if _WANTED:
+if torch.version.cuda or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
     try:
         import triton
         import triton.language as tl
