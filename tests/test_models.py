@@ -402,14 +402,7 @@ def test_expert_rows_kernel_interpreted():
     """The Triton kernel itself, under Triton's CPU interpreter, against the torch path: slots,
     dropped count and placed rows, with drops, strided rows, rows of three copy blocks and more
     rows than one rank block (both blocks shrunk, so the loops turn at small sizes, which the
-    interpreter runs in seconds). (Triton 3.5's interpreter needs numpy < 2.3 for the kernel's
-    loops.)"""
-    pytest.importorskip("triton")
-    numpy = pytest.importorskip("numpy")
-    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 3):
-        pytest.skip(
-            f"Triton's interpreter reads a loop bound with int() of an array, which numpy {numpy.__version__} refuses"
-        )
+    interpreter runs in seconds)."""
     run_interpreted(
         """
 import torch
