@@ -64,6 +64,15 @@ def test_a_split_of_few_tokens_reads_only_the_experts_its_ubatches_reach():
     )
 
 
+def test_token_chunks_read_every_local_expert_again_per_chunk_but_nothing_else():
+    assert extra_weight_bytes(MOE, mode("tokens2"), MANY) == pytest.approx(2 * 4 * EXPERT_BYTES)  # two layers
+    assert extra_weight_bytes(MOE, mode("tokens4"), MANY, ep_world=2) == pytest.approx(2 * 3 * 2 * EXPERT_BYTES)
+    split = extra_weight_bytes(MOE, mode("split2"), MANY)
+    assert extra_weight_bytes(MOE, mode("split2+tokens2"), MANY) == pytest.approx(split + 2 * 2 * 4 * EXPERT_BYTES)
+    # a chunk of one token reaches top_k = 2 of the 4 experts, where the 2-token step reaches 3
+    assert extra_weight_bytes(MOE, mode("tokens4"), 2) == pytest.approx(2 * (2 + 2 - 3) * EXPERT_BYTES)
+
+
 def test_own_rows_first_reads_each_expert_stage_twice_but_changes_nothing_on_one_rank():
     assert extra_weight_bytes(MOE, mode("local"), MANY) == 0
     assert extra_weight_bytes(MOE, mode("local"), MANY, ep_world=2) == pytest.approx(2 * 2 * EXPERT_BYTES)

@@ -4,7 +4,8 @@ and bf16 (grouped GEMM; in other groups a token's experts are summed in other bf
 an ulp apart, which can flip a near-tie of the next layer's router: CPU tests compare groups in
 float32);
 splits with joined expert stages, eager and replayed from FULL graphs, over no link and over the
-link stand-in (whose transfers really run on the copy engines), own rows first over the link,
+link stand-in (whose transfers really run on the copy engines), own rows first and token chunks
+over the link,
 and a tensor-parallel dense model's chunked all-reduces over the link, equal the unsplit eager step.
 
 Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
@@ -98,6 +99,24 @@ def test_joined_experts_eager_and_full_replay_equal_unsplit(dtype, mode_name, li
 def test_own_rows_first_eager_and_replayed_equal_unsplit(dtype, mode_name, graph_mode):
     """Over the link only: without peers every row is a rank's own and the mode changes nothing."""
     _check_split_mode(dtype, mode_name, link=True, graph_mode=graph_mode)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "mode_name, graph_mode, world_size",
+    [
+        ("tokens2", CUDAGraphMode.FULL, 2),
+        ("split2+tokens2", CUDAGraphMode.FULL, 8),
+        ("tokens4+local", CUDAGraphMode.FULL, 2),
+        ("tokens2", CUDAGraphMode.PIECEWISE, 8),
+        ("split2+pipeline2+tokens2", CUDAGraphMode.PIECEWISE, 2),
+    ],
+)
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_token_chunks_over_the_link_eager_and_replayed_equal_unsplit(dtype, mode_name, graph_mode, world_size):
+    """Token chunks through the experts, with a split, expert groups and own rows first, as one rank of two
+    and of eight (one expert per rank, where only token chunks can pipeline)."""
+    _check_split_mode(dtype, mode_name, link=True, graph_mode=graph_mode, world_size=world_size)
 
 
 @pytest.mark.cuda

@@ -1,5 +1,6 @@
 """Every overlap mode equals the plain unsplit step: single-batch overlap (one slice run as a
-ubatch), expert pipelining (``expert_chunks``), token splits, splits with joined expert stages,
+ubatch), expert pipelining (``expert_chunks``), token chunks through the experts
+(``token_chunks``), token splits, splits with joined expert stages,
 own rows first, and their combinations, in one process, expert-parallel over two gloo ranks and
 over the link stand-in; the shared experts run while the dispatch is in flight, and so do the
 GEMMs of the rows a rank routes to its own experts.
@@ -62,7 +63,7 @@ def check_modes_equal_unsplit(model, seed: int, names: str, rank: int = 0) -> No
 
 MODES = (
     "overlap,pipeline2,pipeline4,split2,split2+pipeline2,split3+pipeline4,split2+join,split3+join+pipeline2,"
-    "split2+local"
+    "split2+local,tokens2,tokens4,split2+tokens3,pipeline2+tokens2"
 )
 
 
@@ -79,13 +80,16 @@ def _modes_over_ep(rank: int, world: int) -> None:
             model,
             seed,
             "overlap,pipeline2,pipeline4,split2+pipeline2,split3,split2+join,split3+join+pipeline4,"
-            "local,split2+local,pipeline2+local,split3+join+pipeline2+local",
+            "local,split2+local,pipeline2+local,split3+join+pipeline2+local,tokens2,split2+tokens2,"
+            "tokens3+local,pipeline2+tokens2",
             rank,
         )
     # the static dispatch (a capacity no row exceeds): each rank places the other's rows at the
     # return positions they carry, per expert group
     static = build_model(ModelConfig(**CONFIG, capacity_factor=8.0), device="cpu", ep_group=dist.group.WORLD)
-    check_modes_equal_unsplit(static, 0, "pipeline2,pipeline4,split2+join+pipeline2,pipeline2+local", rank)
+    check_modes_equal_unsplit(
+        static, 0, "pipeline2,pipeline4,split2+join+pipeline2,pipeline2+local,tokens2,split2+tokens2+local", rank
+    )
 
 
 def test_overlap_modes_equal_unsplit_expert_parallel():
@@ -127,12 +131,49 @@ def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
     assert first_layer == ["start"] * 3 + ["shared", "wait"], events  # the row counts' exchange, a dispatch per group
 
 
-LINK_MODES = "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2,local,split2+local,split2+join+local"
+def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypatch):
+    """tokens2 (static dispatch): both chunks' dispatches start, then the shared experts run; chunk
+    0's GEMMs run once its dispatch is waited and its combine starts before chunk 1's GEMMs, so
+    those run while chunk 0's rows travel back."""
+    model = build_model(ModelConfig(**CONFIG, capacity_factor=2.0), device="cpu", ep_group=HostLink(2, 50.0))
+    apply_mode(model, OverlapMode.parse("tokens2"))
+    layer = next(iter(model.moe_layers.values()))
+    events = []
+    start, wait, experts = comm.all_to_all_single, comm.CollectiveHandle.wait, type(layer)._experts
+    monkeypatch.setattr(comm, "all_to_all_single", lambda *a, **k: events.append("start") or start(*a, **k))
+    monkeypatch.setattr(comm.CollectiveHandle, "wait", lambda self: events.append("wait") or wait(self))
+    monkeypatch.setattr(type(layer), "_experts", lambda self, *a: events.append("gemm") or experts(self, *a))
+    for moe in model.moe_layers.values():
+        moe.shared.register_forward_hook(lambda *_: events.append("shared"))
+    step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
+    _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
+    per_layer = ["start", "start", "shared", "wait", "gemm", "start", "wait", "gemm", "start", "wait", "wait"]
+    assert events == per_layer * model.config.num_layers, events
+    apply_mode(model, OverlapMode())
+
+
+def test_token_chunks_cannot_join_expert_stages():
+    with pytest.raises(ValueError, match="token_chunks=2"):
+        OverlapMode.parse("split2+join+tokens2")
+    layer = next(iter(build_model(ModelConfig(**CONFIG), device="cpu").moe_layers.values()))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="token_chunks"):
+            layer.token_chunks = bad
+
+
+LINK_MODES = (
+    "overlap,pipeline2,split2,split2+pipeline2,split2+join+pipeline2,local,split2+local,split2+join+local,tokens2,"
+    "split2+tokens2"
+)
 
 
 @pytest.mark.parametrize(
     "world_size, names",
-    [(2, LINK_MODES), (4, LINK_MODES), (8, "overlap,split2,split3,split2+join,split3+join,local,split2+local")],
+    [
+        (2, LINK_MODES),
+        (4, LINK_MODES),
+        (8, "overlap,split2,split3,split2+join,split3+join,local,split2+local,tokens2,tokens4,split2+tokens2"),
+    ],
 )
 def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size, names):
     """Over a host link each rank holds 1/W of the experts and moves a W-rank world's bytes; its
@@ -203,7 +244,7 @@ def test_every_chunk_of_a_row_parallel_all_reduce_starts_before_the_first_is_wai
     step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
     _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
     per_layer = ["start", "start", "wait", "wait"] * 2  # the attention's output projection, the MLP's down
-    assert events == per_layer * model.config.num_layers, events
+    assert events == per_layer * model.config.num_layers, str(events)
     apply_mode(model, OverlapMode())
 
 
@@ -230,6 +271,9 @@ def test_putting_the_mode_in_force_again_sets_nothing(monkeypatch):
     assert writes == []
     apply_mode(model, OverlapMode())
     assert sorted(set(writes)) == ["_expert_chunks", "expert_chunks", "join_ubatches", "local_first"]
+    writes.clear()
+    apply_mode(model, OverlapMode.parse("tokens2"))
+    assert sorted(set(writes)) == ["_token_chunks", "token_chunks"]
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4, 32])

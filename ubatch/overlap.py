@@ -19,6 +19,11 @@ Chunked all-reduce (``allreduceK``), for tensor parallelism: each row-parallel p
 attention's output projection, the MLP's down projection) runs in K chunks of rows, and each
 chunk's all-reduce is in flight while the next chunk's GEMM runs (``ubatch.models.layers.row_parallel``).
 
+Token chunks (``tokensK``): the same chain per chunk of tokens (``MoEFFN.token_chunks``), every
+chunk's dispatch started first, so chunk c's GEMMs run while chunk c + 1's rows are in flight and
+chunk c - 1's come back. Each chunk reads the expert weights again: it pays where the GEMMs are
+compute-bound (prefill), and works with one expert per rank, where expert groups cannot.
+
 Own rows first (``local``): the rows a rank routes to its own experts need no transfer, so their
 GEMMs run from the send buffer while the dispatch is in flight, the other ranks' rows after it
 lands (``MoEFFN.local_first``; half the rows with two ranks). It splits each expert GEMM in two,
@@ -38,14 +43,16 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_EXPERT_CHUNKS = 8
+MAX_TOKEN_CHUNKS = 8
 MAX_ALL_REDUCE_CHUNKS = 8
 
 
 @dataclass(frozen=True)
 class OverlapMode:
     """One way to run a step: ``num_ubatches`` token slices, ``expert_chunks`` expert groups,
-    whether the slices' expert stages are joined (``join_experts``), whether the rows a rank
-    routes to its own experts run before the dispatch lands (``local_first``), the chunks of
+    ``token_chunks`` chunks of each slice's tokens through the experts, whether the slices'
+    expert stages are joined (``join_experts``), whether the rows a rank routes to its own
+    experts run before the dispatch lands (``local_first``), the chunks of
     each tensor-parallel all-reduce (``all_reduce_chunks``), whether an unsplit step still runs
     as a ubatch (``single_batch``; implied by the others), and the comm stream's green SM
     partition (``comm_sms``; None: no partition)."""
@@ -57,18 +64,24 @@ class OverlapMode:
     comm_sms: int | None = None
     local_first: bool = False
     all_reduce_chunks: int = 1
+    token_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name, value, top in (
             ("num_ubatches", self.num_ubatches, None),
             ("expert_chunks", self.expert_chunks, MAX_EXPERT_CHUNKS),
             ("all_reduce_chunks", self.all_reduce_chunks, MAX_ALL_REDUCE_CHUNKS),
+            ("token_chunks", self.token_chunks, MAX_TOKEN_CHUNKS),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
                 raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
         if self.join_experts and self.num_ubatches < 2:
             raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
-        if self.num_ubatches > 1 or self.expert_chunks > 1 or self.local_first or self.all_reduce_chunks > 1:
+        if self.join_experts and self.token_chunks > 1:
+            raise ValueError(
+                f"join_experts runs one expert stage over whole ubatches, not token_chunks={self.token_chunks}"
+            )
+        if self.num_ubatches > 1 or self._chunked or self.local_first:
             object.__setattr__(self, "single_batch", True)
         if self.comm_sms is not None:
             if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 1:
@@ -80,13 +93,18 @@ class OverlapMode:
                 )
 
     @property
+    def _chunked(self) -> bool:
+        return self.expert_chunks > 1 or self.token_chunks > 1 or self.all_reduce_chunks > 1
+
+    @property
     def name(self) -> str:
         partition = "" if self.comm_sms is None else f"@green{self.comm_sms}"
-        if self.num_ubatches == 1 and self.expert_chunks == 1 and not self.local_first and self.all_reduce_chunks == 1:
+        if self.num_ubatches == 1 and not self._chunked and not self.local_first:
             return ("overlap" if self.single_batch else "unsplit") + partition
         parts = [f"split{self.num_ubatches}"] if self.num_ubatches > 1 else []
         parts += ["join"] if self.join_experts else []
         parts += [f"pipeline{self.expert_chunks}"] if self.expert_chunks > 1 else []
+        parts += [f"tokens{self.token_chunks}"] if self.token_chunks > 1 else []
         parts += ["local"] if self.local_first else []
         parts += [f"allreduce{self.all_reduce_chunks}"] if self.all_reduce_chunks > 1 else []
         return "+".join(parts) + partition
@@ -99,7 +117,8 @@ class OverlapMode:
     @classmethod
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
-        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``local`` (own rows first) and
+        with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``tokensK`` (token chunks)
+        alone, after a split or a pipeline, or before ``+local``; ``local`` (own rows first) and
         ``allreduceK`` (chunked tensor-parallel all-reduces) alone or as ``+local`` /
         ``+allreduceK`` after a split or a pipeline; any but ``unsplit`` may end in ``@greenK``, a
         green SM partition with K SMs for communication."""
@@ -114,7 +133,12 @@ class OverlapMode:
             values["comm_sms"] = int(digits)
         if text in ("unsplit", "overlap"):
             return cls(single_batch=text == "overlap", **values)
-        fields = {"split": "num_ubatches", "pipeline": "expert_chunks", "allreduce": "all_reduce_chunks"}
+        fields = {
+            "split": "num_ubatches",
+            "pipeline": "expert_chunks",
+            "tokens": "token_chunks",
+            "allreduce": "all_reduce_chunks",
+        }
         for part in text.split("+"):
             prefix = part.rstrip("0123456789")
             digits = part[len(prefix) :]
@@ -125,8 +149,8 @@ class OverlapMode:
             if prefix not in fields or not digits or fields[prefix] in values:
                 raise ValueError(
                     f"unknown overlap mode {text!r}: expected unsplit, overlap, splitN, pipelineK, "
-                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally +local, +allreduceK "
-                    f"and @greenK"
+                    f"splitN+pipelineK, splitN+join or splitN+join+pipelineK, optionally +tokensK, +local, "
+                    f"+allreduceK and @greenK"
                 )
             values[fields[prefix]] = int(digits)
         return cls(**values)
@@ -147,21 +171,27 @@ def moe_layers(model: Any) -> Iterator[Any]:
 
 
 def apply_mode(model: Any, mode: OverlapMode) -> None:
-    """Set every MoE layer of ``model`` to ``mode``'s expert groups, joining and own rows first,
+    """Set every MoE layer of ``model`` to ``mode``'s expert groups, token chunks, joining and own
+    rows first,
     and every tensor-parallel projection to its all-reduce chunks (the unsplit mode resets them);
     the token split itself is the forward context's ``ubatch_slices``."""
     layers = list(moe_layers(model))
-    if (mode.expert_chunks > 1 or mode.join_experts or mode.local_first) and not layers:
+    if _needs_moe(mode) and not layers:
         raise ValueError(f"mode {mode.name} needs a MoE model; this one has no MoE layers")
     projections = list(tensor_parallel_projections(model))
     if mode.all_reduce_chunks > 1 and not projections:
         raise ValueError(f"mode {mode.name} needs a tensor-parallel model; this one has no tp_group")
     for layer in layers:
         _set(layer, "expert_chunks", mode.expert_chunks)
+        _set(layer, "token_chunks", mode.token_chunks)
         _set(layer, "join_ubatches", mode.join_experts)
         _set(layer, "local_first", mode.local_first)
     for module in projections:
         _set(module, "all_reduce_chunks", mode.all_reduce_chunks)
+
+
+def _needs_moe(mode: OverlapMode) -> bool:
+    return mode.expert_chunks > 1 or mode.token_chunks > 1 or mode.join_experts or mode.local_first
 
 
 def _set(module: Any, name: str, value: Any) -> None:
@@ -179,7 +209,7 @@ def tensor_parallel_projections(model: Any) -> Iterator[Any]:
 
 
 def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
-    """The modes this model can run: joined experts and own rows first need MoE layers, expert
+    """The modes this model can run: joined experts, token chunks and own rows first need MoE layers, expert
     chunks must divide every MoE layer's local experts, and chunked all-reduces need a
     tensor-parallel model."""
     layers = list(moe_layers(model))
@@ -187,7 +217,7 @@ def supported(model: Any, modes: Iterable[OverlapMode]) -> list[OverlapMode]:
     return [
         m
         for m in modes
-        if (layers or (m.expert_chunks == 1 and not m.join_experts and not m.local_first))
+        if (layers or not _needs_moe(m))
         and all(layer.num_local_experts % m.expert_chunks == 0 for layer in layers)
         and (tensor_parallel or m.all_reduce_chunks == 1)
     ]

@@ -2,14 +2,14 @@
 
 A split step's ubatches each read the weights every token needs (attention, norms, router, shared
 experts, a dense MLP), and unless their expert stages are joined each ubatch reads every local
-expert its own tokens reach. Own rows first runs each expert stage as two GEMM calls, and chunked
-all-reduces run each row-parallel projection as one GEMM per chunk: each call reads its weights.
-No schedule hides those bytes: even with every transfer hidden and nothing else slower, the mode's
-step takes the unsplit step's compute plus their time at the GPU's datasheet bandwidth (a
-read no kernel beats). ``efficiency_ceiling`` turns that floor into the highest efficiency the mode
-can reach in the run that measured C, M and the unsplit step: where it is below a target, no
-schedule of that mode meets the target there. Expected expert counts follow ``roofline``'s uniform
-router.
+expert its own tokens reach, as does each token chunk of an expert stage. Own rows first runs each
+expert stage as two GEMM calls, and chunked all-reduces run each row-parallel projection as one GEMM
+per chunk: each call reads its weights. No schedule hides those bytes: even with every transfer
+hidden and nothing else slower, the mode's step takes the unsplit step's compute plus their time at
+the GPU's datasheet bandwidth (a read no kernel beats). ``efficiency_ceiling`` turns that floor into
+the highest efficiency the mode can reach in the run that measured C, M and the unsplit step: where
+it is below a target, no schedule of that mode meets the target there. Expected expert counts follow
+``roofline``'s uniform router.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def extra_weight_bytes(
     extra = (n - 1) * per_ubatch + n * (mode.all_reduce_chunks - 1) * chunked
     if config.kind == "moe":
         stages = [num_tokens] if mode.join_experts else even_parts(num_tokens, n)
-        reads = sum(touched_experts(config, tokens, ep_world) for tokens in stages)
+        chunks = [part for stage in stages for part in even_parts(stage, min(mode.token_chunks, stage))]
+        reads = sum(touched_experts(config, tokens, ep_world) for tokens in chunks)
         if mode.local_first and ep_world > 1:
             reads *= 2  # own rows, then the other ranks' rows: two GEMM calls per stage
         extra += (reads - touched_experts(config, num_tokens, ep_world)) * weights.expert

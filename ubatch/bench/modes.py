@@ -402,6 +402,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
                 "mode": mode.name,
                 "num_ubatches": mode.num_ubatches,
                 "expert_chunks": mode.expert_chunks,
+                "token_chunks": mode.token_chunks,
                 "join_experts": mode.join_experts,
                 "single_batch": mode.single_batch,
                 **sweep["partitions"][mode.name],

@@ -94,6 +94,18 @@ def balanced_chunk_rows(num_tokens: int, num_experts: int, top_k: int, world: in
     return [num_tokens * (missed(c) - missed(c + 1)) for c in range(chunks)]
 
 
+def token_pieces(num_tokens: int, chunks: int) -> list[slice]:
+    """``num_tokens`` cut into ``chunks`` consecutive slices as even as possible, the larger first
+    (fewer where there are fewer tokens; one, maybe empty, for none): ``MoEFFN.token_chunks``'s
+    dispatches."""
+    chunks = max(1, min(chunks, num_tokens))
+    base, extra = divmod(num_tokens, chunks)
+    starts = [0]
+    for size in [base + 1] * extra + [base] * (chunks - extra):
+        starts.append(starts[-1] + size)
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
 def rank_within_key(key: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(each element's rank among the elements of ``key`` [n] with its key, in order; each key's
     count [num_keys]). Keys outside [0, num_keys) are counted nowhere and their rank means nothing.

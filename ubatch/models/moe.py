@@ -38,6 +38,7 @@ from ubatch.models.dispatch import (
     counted_dispatch_plan,
     split_dispatch_rows,
     static_tables,
+    token_pieces,
 )
 from ubatch.models.gather_sum import gather_sum
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
@@ -179,6 +180,7 @@ class MoEFFN(nn.Module):
             )
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.expert_chunks = 1
+        self.token_chunks = 1
         self.join_ubatches = False
         self.local_first = False
         self.expert_capacity_factor: float | None = None
@@ -225,6 +227,21 @@ class MoEFFN(nn.Module):
             )
         self._expert_chunks = chunks
 
+    @property
+    def token_chunks(self) -> int:
+        """Chunks of tokens the dispatch -> experts -> combine chain is pipelined over: every
+        chunk's dispatch starts first, then chunk c's expert GEMMs run while chunk c + 1's rows are
+        in flight and chunk c - 1's come back. Each chunk reads the experts' weights again, so it
+        pays where the GEMMs are compute-bound (prefill), and it works with one expert per rank,
+        where expert groups cannot."""
+        return self._token_chunks
+
+    @token_chunks.setter
+    def token_chunks(self, chunks: int) -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"token_chunks must be a positive int, got {chunks!r}")
+        self._token_chunks = chunks
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32 summing to 1, expert ids [T, k])."""
         return route_top_k(x, self.router, self.top_k)
@@ -233,14 +250,19 @@ class MoEFFN(nn.Module):
         """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
         per group of local experts, so group g's GEMMs run while the next chunk of rows is in
         flight, every expert's weights are still read once, and a token still travels once to each
-        rank. The shared experts run under the dispatch (single-batch overlap): they need only
-        ``x``. With ``join_ubatches`` the expert stage waits for every ubatch of the step and runs
-        once over all their rows."""
+        rank; with ``token_chunks`` it runs per chunk of tokens (``token_pieces``), every chunk's
+        dispatch started before any expert GEMM. The shared experts run under the dispatches
+        (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert stage waits
+        for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
-        if self.capacity_factor is None and not _static_only():
-            back_slot, dispatched = self._dispatch_counted(x, ids, weights)
-        else:
-            back_slot, dispatched = self._dispatch_static(x, ids, weights)
+        pieces = token_pieces(len(x), self.token_chunks)
+        if self.join_ubatches and len(pieces) > 1:
+            raise ValueError(
+                f"{self.name}: joined experts run over whole ubatches, not token_chunks={self.token_chunks}"
+            )
+        counted = self.capacity_factor is None and not _static_only()
+        dispatch = self._dispatch_counted if counted else self._dispatch_static
+        sent = [dispatch(x[piece], ids[piece], weights[piece]) for piece in pieces]
 
         shared = self.shared(x) if self.shared is not None else None
 
@@ -250,13 +272,19 @@ class MoEFFN(nn.Module):
                     f"{self.name}: joined experts (join_ubatches=True) cannot be captured in a PIECEWISE graph, "
                     f"whose replay would run the join eagerly; use FULL graphs or run eagerly"
                 )
-            combines = scheduler.join_ubatches(f"{self.name}.experts", dispatched, self._expert_stage)
+            combines = [scheduler.join_ubatches(f"{self.name}.experts", sent[0][1], self._expert_stage)]
         else:
-            combines = self._expert_stage([dispatched])[0]
-        for handle in combines:
-            _wait(handle)
-
-        return combine_rows(dispatched.back, back_slot, shared)
+            combines = [self._expert_stage([dispatched])[0] for _, dispatched in sent]
+        if len(pieces) == 1:
+            for handle in combines[0]:
+                _wait(handle)
+            return combine_rows(sent[0][1].back, sent[0][0], shared)
+        out = torch.empty_like(x)
+        for piece, (back_slot, dispatched), handles in zip(pieces, sent, combines):
+            for handle in handles:
+                _wait(handle)
+            gather_sum(dispatched.back, back_slot, add=None if shared is None else shared[piece], out=out[piece])
+        return out
 
     def _dispatch_static(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
