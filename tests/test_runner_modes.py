@@ -30,7 +30,8 @@ def moe_and_reference():
 
 
 @pytest.mark.parametrize(
-    "mode", ["overlap", "pipeline2", "split2", "split2+join", "split3+join+pipeline2", "split2@green8"]
+    "mode",
+    ["overlap", "pipeline2", "split2", "split2+join", "split3+join+pipeline2", "split2@green8", "split2+tokens2"],
 )
 def test_generation_in_every_overlap_mode_equals_naive_recompute(moe_and_reference, mode):
     config, model, prompts, reference = moe_and_reference
@@ -42,6 +43,7 @@ def test_generation_in_every_overlap_mode_equals_naive_recompute(moe_and_referen
         layers = list(model.moe_layers.values())
         assert all(layer.expert_chunks == runner.overlap_mode.expert_chunks for layer in layers)
         assert all(layer.join_ubatches == runner.overlap_mode.join_experts for layer in layers)
+        assert all(layer.token_chunks == runner.overlap_mode.token_chunks for layer in layers)
         assert runner.generate(prompts, 5) == reference
     finally:
         ModelRunner(model, config, **RUNNER)  # the plain runner puts the model back to unsplit
@@ -52,6 +54,8 @@ def test_a_bad_overlap_mode_is_refused_naming_it():
     model = build_model(config, device="cpu")
     with pytest.raises(ValueError, match="mode pipeline2 needs a MoE model"):
         ModelRunner(model, config, overlap_mode="pipeline2", **RUNNER)
+    with pytest.raises(ValueError, match="mode tokens2 needs a MoE model"):
+        ModelRunner(model, config, overlap_mode="tokens2", **RUNNER)
     with pytest.raises(ValueError, match="num_ubatches=3 disagrees with overlap_mode=split2"):
         ModelRunner(model, config, overlap_mode="split2", num_ubatches=3, **RUNNER)
     with pytest.raises(ValueError, match="unknown overlap mode 'fast'"):
