@@ -16,6 +16,11 @@ the groups and ``--group-cost-ms`` what each further group adds per layer. Examp
 scripts/schedule_bound.py --compute-ms 4.15 --comm-ms 3.53 --layers 4 --attention-share 0.51
 --join --expert-chunks 1,2,4``
 
+``--token-chunks`` cuts each ubatch's expert stage into chunks of tokens (``tokensK``,
+``splitN+tokensK``), one dispatch and combine each. Example (moe-bench's 4096-token prefill as one
+rank of eight, run 18): ``python scripts/schedule_bound.py --compute-ms 22.53 --comm-ms 20.63
+--layers 4 --num-ubatches 1,2 --token-chunks 1,2,4``
+
 ``--local-share`` lets that share of each ubatch's expert work start before its dispatch lands
 (own rows first, ``+local``; 0.5 with two ranks). Example (moe-bench's 4096-token prefill over
 the link stand-in): ``python scripts/schedule_bound.py --compute-ms 26.07 --comm-ms 20.87
@@ -57,6 +62,7 @@ def main() -> None:
         default=0.0,
         help="share of each ubatch's expert work that starts before its dispatch lands (own rows first: 1/W)",
     )
+    p.add_argument("--token-chunks", default="1", help="chunks of each ubatch's tokens through the experts")
     p.add_argument("--join", action="store_true", help="ubatches share one expert stage per expert group")
     p.add_argument("--expert-chunks", default="1", help="with --join: expert groups, comma-separated")
     p.add_argument("--group-cost-ms", type=float, default=0.0, help="with --join: per layer, per further group")
@@ -68,6 +74,8 @@ def main() -> None:
         p.error(f"--local-share must be in [0, 1], got {args.local_share}")
     if args.join and args.local_share:
         p.error("--local-share models plain splits; the joined model has no own-rows stage")
+    if args.join and args.token_chunks != "1":
+        p.error("--token-chunks models plain splits; joined expert stages take whole ubatches")
     if not args.join:
         joined_only = {
             "--expert-chunks": args.expert_chunks != "1",
@@ -89,10 +97,19 @@ def main() -> None:
 
     for n in map(int, args.num_ubatches.split(",")):
         if not args.join:
-            t = step_ms(
-                n, args.layers, args.compute_ms, args.comm_ms, args.attention_share, args.comm_stretch, args.local_share
-            )
-            report(f"N={n}" + (f", own rows first ({args.local_share:g})" if args.local_share else ""), t)
+            for chunks in map(int, args.token_chunks.split(",")):
+                t = step_ms(
+                    n,
+                    args.layers,
+                    args.compute_ms,
+                    args.comm_ms,
+                    args.attention_share,
+                    args.comm_stretch,
+                    args.local_share,
+                    token_chunks=chunks,
+                )
+                label = f"N={n}" + (f", {chunks} token chunks" if chunks > 1 else "")
+                report(label + (f", own rows first ({args.local_share:g})" if args.local_share else ""), t)
             continue
         for k in map(int, args.expert_chunks.split(",")):
             t = joined_step_ms(

@@ -182,6 +182,20 @@ def test_schedule_bound_comm_stretch_slows_only_split_collectives():
     assert stretched > schedule_bound.step_ms(2, 8, c, m, 0.2)
 
 
+def test_token_chunks_by_hand_and_beside_a_split():
+    # one layer, C = 10 (attention 2, experts 8), M = 4: two chunks' dispatches (1 ms each) land at
+    # 3 and 4; chunk 0's experts run 3-7, its combine 7-8; chunk 1's experts 7-11, its combine 11-12
+    assert schedule_bound.step_ms(1, 1, 10.0, 4.0, 0.2, token_chunks=2) == pytest.approx(12.0)
+    assert schedule_bound.step_ms(1, 1, 10.0, 4.0, 0.2) == pytest.approx(14.0)
+    # moe-bench's 4096-token prefill as one rank of eight (run 18): two chunks per ubatch of a
+    # two-way split come closer to max(C, M) than the split alone, or than two more ubatches
+    c, m = 22.53, 20.63
+    split2, split2_tokens2 = (schedule_bound.step_ms(2, 4, c, m, 0.2, token_chunks=k) for k in (1, 2))
+    assert max(c, m) < split2_tokens2 < 0.85 * split2
+    with pytest.raises(ValueError, match="token_chunks must be a positive int, got 0"):
+        schedule_bound.step_ms(2, 4, c, m, 0.2, token_chunks=0)
+
+
 def test_own_rows_first_by_hand_and_where_it_hides_prefill_dispatches():
     """One layer, C = 4 (attention 2, experts 2), M = 2: attention 0-2, dispatch 2-3 beside the
     own rows' half of the experts (2-3), the rest 3-4, combine 4-5."""

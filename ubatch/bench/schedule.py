@@ -30,27 +30,41 @@ def step_ms(
     attention_share: float,
     comm_stretch: float = 1.0,
     local_share: float = 0.0,
+    token_chunks: int = 1,
 ) -> float:
     """Makespan of one step in ``num_ubatches`` ubatches under the model above; with more than one
-    ubatch each collective takes ``comm_stretch`` times its share of ``comm_ms``. ``local_share``:
-    the share of each ubatch's expert work that may start before its dispatch lands (own rows
-    first, ``+local``: 1/W of the rows with W ranks); the second GEMM call it costs is not modelled."""
+    ubatch or token chunk each collective takes ``comm_stretch`` times its share of ``comm_ms``.
+    ``local_share``: the share of each ubatch's expert work that may start before its dispatch
+    lands (own rows first, ``+local``: 1/W of the rows with W ranks); the second GEMM call it costs
+    is not modelled. ``token_chunks`` (``tokensK``): each ubatch starts one dispatch per chunk of
+    its tokens, then per chunk runs that chunk's expert work and combine, the ubatches taking
+    turns per chunk; the expert weights each chunk reads again are not modelled (in prefill the
+    GEMMs are compute-bound)."""
     if not 0 <= local_share <= 1:
         raise ValueError(f"local_share must be in [0, 1], got {local_share}")
+    if isinstance(token_chunks, bool) or not isinstance(token_chunks, int) or token_chunks < 1:
+        raise ValueError(f"token_chunks must be a positive int, got {token_chunks!r}")
     attention = compute_ms * attention_share / layers / num_ubatches
-    experts = compute_ms * (1 - attention_share) / layers / num_ubatches
+    experts = compute_ms * (1 - attention_share) / layers / num_ubatches / token_chunks
     own = experts * local_share
-    stretch = comm_stretch if num_ubatches > 1 else 1.0
-    collective = stretch * comm_ms / 2 / layers / num_ubatches  # both collectives carry the same rows
+    stretch = comm_stretch if num_ubatches > 1 or token_chunks > 1 else 1.0
+    collective = stretch * comm_ms / 2 / layers / num_ubatches / token_chunks  # both collectives carry the same rows
     compute_free = comm_free = 0.0
     ready = [0.0] * num_ubatches  # when each ubatch's last collective delivered its result
     for _ in range(layers):
-        for work, beside in ((attention, own), (experts - own, 0.0)):
+        landed = [[0.0] * token_chunks for _ in range(num_ubatches)]
+        for u in range(num_ubatches):
+            compute_free = max(compute_free, ready[u]) + attention
+            for c in range(token_chunks):
+                comm_free = max(comm_free, compute_free) + collective
+                landed[u][c] = comm_free
+            compute_free += own  # the first chunk's own rows, issued right after the dispatches start
+        for c in range(token_chunks):
             for u in range(num_ubatches):
-                compute_free = max(compute_free, ready[u]) + work
+                compute_free += own if c else 0.0  # a later chunk's own rows, before its dispatch is waited
+                compute_free = max(compute_free, landed[u][c]) + experts - own
                 comm_free = max(comm_free, compute_free) + collective
                 ready[u] = comm_free
-                compute_free += beside  # own rows' GEMMs, issued right after the dispatch starts
     return max(compute_free, *ready)
 
 
