@@ -131,16 +131,24 @@ def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
     assert first_layer == ["start"] * 3 + ["shared", "wait"], events  # the row counts' exchange, a dispatch per group
 
 
-def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypatch):
-    """tokens2 (static dispatch): both chunks' dispatches start, then the shared experts run; chunk
-    0's GEMMs run once its dispatch is waited and its combine starts before chunk 1's GEMMs, so
-    those run while chunk 0's rows travel back."""
-    model = build_model(ModelConfig(**CONFIG, capacity_factor=2.0), device="cpu", ep_group=HostLink(2, 50.0))
+@pytest.mark.parametrize("capacity_factor", [2.0, None])  # the static dispatch and the counted one
+def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypatch, capacity_factor):
+    """tokens2: both chunks' dispatches start (the counted dispatch after one exchange of both
+    chunks' counts), then the shared experts run; chunk 0's GEMMs run once its dispatch is waited
+    and its combine starts before chunk 1's GEMMs, so those run while chunk 0's rows travel back."""
+    model = build_model(
+        ModelConfig(**CONFIG, capacity_factor=capacity_factor), device="cpu", ep_group=HostLink(2, 50.0)
+    )
     apply_mode(model, OverlapMode.parse("tokens2"))
     layer = next(iter(model.moe_layers.values()))
     events = []
     start, wait, experts = comm.all_to_all_single, comm.CollectiveHandle.wait, type(layer)._experts
-    monkeypatch.setattr(comm, "all_to_all_single", lambda *a, **k: events.append("start") or start(*a, **k))
+
+    def started(*args, **kwargs):
+        events.append("start" if kwargs.get("async_op") else "counts")
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(comm, "all_to_all_single", started)
     monkeypatch.setattr(comm.CollectiveHandle, "wait", lambda self: events.append("wait") or wait(self))
     monkeypatch.setattr(type(layer), "_experts", lambda self, *a: events.append("gemm") or experts(self, *a))
     for moe in model.moe_layers.values():
@@ -148,6 +156,7 @@ def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypa
     step, _ = make_step(model, [5, 3], [0, 4], block_size=4)
     _forward(UBatchWrapper(model, num_ubatches=2), model, step, split_batch([5, 3], 1))
     per_layer = ["start", "start", "shared", "wait", "gemm", "start", "wait", "gemm", "start", "wait", "wait"]
+    per_layer = (["counts"] if capacity_factor is None else []) + per_layer
     assert events == per_layer * model.config.num_layers, events
     apply_mode(model, OverlapMode())
 

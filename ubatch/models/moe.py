@@ -261,8 +261,10 @@ class MoEFFN(nn.Module):
                 f"{self.name}: joined experts run over whole ubatches, not token_chunks={self.token_chunks}"
             )
         counted = self.capacity_factor is None and not _static_only()
-        dispatch = self._dispatch_counted if counted else self._dispatch_static
-        sent = [dispatch(x[piece], ids[piece], weights[piece]) for piece in pieces]
+        if counted:
+            sent = self._dispatch_counted(x, ids, weights, pieces)
+        else:
+            sent = [self._dispatch_static(x[piece], ids[piece], weights[piece]) for piece in pieces]
 
         shared = self.shared(x) if self.shared is not None else None
 
@@ -354,42 +356,64 @@ class MoEFFN(nn.Module):
         return layout
 
     def _dispatch_counted(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, _Dispatched]:
-        """Only the real rows: every rank's rows per (chunk, destination) block, and the rows it
-        expects back per combine block, exchanged first (a host sync), then each chunk's all-to-all
-        with those splits. Nothing is dropped."""
-        num_tokens, hidden = x.shape
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pieces: list[slice]
+    ) -> list[tuple[torch.Tensor, _Dispatched]]:
+        """Only the real rows, per token piece: every rank's rows per (chunk, destination) block,
+        and the rows it expects back per combine block, exchanged first for every piece at once
+        (one small all-to-all and one host sync), then each chunk's all-to-all with those splits.
+        Nothing is dropped."""
         k, world = self.expert_chunks, self.ep_world
-        back_slot, sizes, back_sizes, send = counted_dispatch_plan(x, ids, weights, self.num_local_experts, k, world)
-        # row d: the rows this rank sends rank d per chunk, then the rows it expects back from it
-        counts = torch.cat([sizes.view(k, world), back_sizes.view(k, world)]).t().contiguous()
+        plans = [counted_dispatch_plan(x[p], ids[p], weights[p], self.num_local_experts, k, world) for p in pieces]
+        # [destination rank, piece, 2k]: the rows this rank sends it per chunk, then those it expects back
+        counts = torch.stack(
+            [torch.cat([sizes.view(k, world), back.view(k, world)]).t() for _, sizes, back, _ in plans], dim=1
+        ).contiguous()
         received = counts
         if world > 1:
             received = torch.empty_like(counts)
             comm.all_to_all_single(received, counts, group=self.ep_group)
         host = torch.cat([counts, received]).tolist()  # the splits, on the host
-        sent_rows = [[host[d][c] for d in range(world)] for c in range(k)]
-        back_rows = [[host[d][k + c] for d in range(world)] for c in range(k)]
-        received_rows = [[host[world + s][c] for s in range(world)] for c in range(k)]
-        comb_rows = [[host[world + s][k + c] for s in range(world)] for c in range(k)]
+        return [
+            self._start_counted(
+                piece, plan, [row[i] for row in host[:world]], [row[i] for row in host[world:]], received[:, i]
+            )
+            for i, (piece, plan) in enumerate(zip(pieces, plans))
+        ]
+
+    def _start_counted(
+        self,
+        piece: slice,
+        plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        sent: list[list[int]],
+        got: list[list[int]],
+        got_device: torch.Tensor,
+    ) -> tuple[torch.Tensor, _Dispatched]:
+        """One piece's dispatches started with its exchanged counts: ``sent`` / ``got`` [rank][2k]
+        (rows to / from each rank per chunk, then rows back per combine chunk), ``got_device`` the
+        same received counts on the device."""
+        k, world = self.expert_chunks, self.ep_world
+        back_slot, _, _, send = plan
+        sent_rows = [[sent[d][c] for d in range(world)] for c in range(k)]
+        back_rows = [[sent[d][k + c] for d in range(world)] for c in range(k)]
+        received_rows = [[got[s][c] for s in range(world)] for c in range(k)]
+        comb_rows = [[got[s][k + c] for s in range(world)] for c in range(k)]
         send_chunks = _consecutive([sum(rows) for rows in sent_rows])
         recv_chunks = _consecutive([sum(rows) for rows in received_rows])
         splits = list(zip(received_rows, sent_rows))
         recv, dispatches = self._start_dispatches(send, send_chunks, recv_chunks, splits)
         row_block = comb_starts = None
         if k > 1:  # where a landed row goes in the combine (_combine_chunk)
-            blocks = received[:, :k].t().flatten()  # rows per received (chunk, source) block
-            row_block = torch.arange(k * world, device=x.device).repeat_interleave(
+            blocks = got_device[:, :k].t().flatten()  # rows per received (chunk, source) block
+            row_block = torch.arange(k * world, device=send.device).repeat_interleave(
                 blocks, output_size=recv_chunks[-1].stop
             )
-            comb_starts = block_starts(received[:, k:].t().flatten())
+            comb_starts = block_starts(got_device[:, k:].t().flatten())
         back_chunks = _consecutive([sum(rows) for rows in back_rows])
         return back_slot, _Dispatched(
-            num_tokens=num_tokens,
+            num_tokens=piece.stop - piece.start,
             send=send,
             recv=recv,
-            back=x.new_empty(back_chunks[-1].stop, hidden),
+            back=send.new_empty(back_chunks[-1].stop, self.w2.shape[1]),
             recv_chunks=recv_chunks,
             comb_chunks=_consecutive([sum(rows) for rows in comb_rows]),
             back_chunks=back_chunks,
