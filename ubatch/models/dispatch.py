@@ -100,9 +100,14 @@ def token_pieces(num_tokens: int, chunks: int) -> list[slice]:
     dispatches."""
     chunks = max(1, min(chunks, num_tokens))
     base, extra = divmod(num_tokens, chunks)
+    return consecutive_slices([base + 1] * extra + [base] * (chunks - extra))
+
+
+def consecutive_slices(rows: list[int]) -> list[slice]:
+    """Slices of consecutive runs of ``rows`` rows each, from row 0."""
     starts = [0]
-    for size in [base + 1] * extra + [base] * (chunks - extra):
-        starts.append(starts[-1] + size)
+    for n in rows:
+        starts.append(starts[-1] + n)
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 

@@ -35,6 +35,7 @@ from ubatch.models.dispatch import (
     BlockTables,
     balanced_chunk_rows,
     block_starts,
+    consecutive_slices,
     counted_dispatch_plan,
     split_dispatch_rows,
     static_tables,
@@ -277,15 +278,11 @@ class MoEFFN(nn.Module):
             combines = [scheduler.join_ubatches(f"{self.name}.experts", sent[0][1], self._expert_stage)]
         else:
             combines = [self._expert_stage([dispatched])[0] for _, dispatched in sent]
-        if len(pieces) == 1:
-            for handle in combines[0]:
-                _wait(handle)
-            return combine_rows(sent[0][1].back, sent[0][0], shared)
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # contiguous, whatever x is
         for piece, (back_slot, dispatched), handles in zip(pieces, sent, combines):
             for handle in handles:
                 _wait(handle)
-            gather_sum(dispatched.back, back_slot, add=None if shared is None else shared[piece], out=out[piece])
+            combine_rows(dispatched.back, back_slot, None if shared is None else shared[piece], out=out[piece])
         return out
 
     def _dispatch_static(
@@ -299,8 +296,8 @@ class MoEFFN(nn.Module):
         back_slot, _, send = send_rows.static_plan(
             x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables, counter=self.overflow_count
         )
-        recv_chunks = _consecutive([world * cap for cap in caps])
-        back_chunks = _consecutive([world * cap for cap in reversed(caps)])
+        recv_chunks = consecutive_slices([world * cap for cap in caps])
+        back_chunks = consecutive_slices([world * cap for cap in reversed(caps)])
         recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
@@ -397,8 +394,8 @@ class MoEFFN(nn.Module):
         back_rows = [[sent[d][k + c] for d in range(world)] for c in range(k)]
         received_rows = [[got[s][c] for s in range(world)] for c in range(k)]
         comb_rows = [[got[s][k + c] for s in range(world)] for c in range(k)]
-        send_chunks = _consecutive([sum(rows) for rows in sent_rows])
-        recv_chunks = _consecutive([sum(rows) for rows in received_rows])
+        send_chunks = consecutive_slices([sum(rows) for rows in sent_rows])
+        recv_chunks = consecutive_slices([sum(rows) for rows in received_rows])
         splits = list(zip(received_rows, sent_rows))
         recv, dispatches = self._start_dispatches(send, send_chunks, recv_chunks, splits)
         row_block = comb_starts = None
@@ -408,14 +405,14 @@ class MoEFFN(nn.Module):
                 blocks, output_size=recv_chunks[-1].stop
             )
             comb_starts = block_starts(got_device[:, k:].t().flatten())
-        back_chunks = _consecutive([sum(rows) for rows in back_rows])
+        back_chunks = consecutive_slices([sum(rows) for rows in back_rows])
         return back_slot, _Dispatched(
             num_tokens=piece.stop - piece.start,
             send=send,
             recv=recv,
             back=send.new_empty(back_chunks[-1].stop, self.w2.shape[1]),
             recv_chunks=recv_chunks,
-            comb_chunks=_consecutive([sum(rows) for rows in comb_rows]),
+            comb_chunks=consecutive_slices([sum(rows) for rows in comb_rows]),
             back_chunks=back_chunks,
             row_block=row_block,
             comb_starts=comb_starts,
@@ -564,14 +561,6 @@ def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torc
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
-def _consecutive(rows: list[int]) -> list[slice]:
-    """Slices of consecutive runs of ``rows`` rows each, from row 0."""
-    starts = [0]
-    for n in rows:
-        starts.append(starts[-1] + n)
-    return [slice(a, b) for a, b in zip(starts, starts[1:])]
-
-
 def _own_rows(chunks: list[slice], rows_per_rank: list[list[int]], rank: int) -> list[slice]:
     """Per chunk, the rows of ``rank``'s block, for blocks of ``rows_per_rank[chunk][rank]`` rows."""
     return [
@@ -591,11 +580,13 @@ def _static_only() -> bool:
     return in_static_collectives() or islands.recording_active() or _capturing()
 
 
-def combine_rows(back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+def combine_rows(
+    back: torch.Tensor, slot: torch.Tensor, shared: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each token's rows gathered back from their slots [tokens, world] (each already its
     experts' weighted sum at one destination; -1: none) and summed in float32, with the shared
-    experts' output."""
-    return gather_sum(back, slot, add=shared)
+    experts' output (written to ``out`` where given)."""
+    return gather_sum(back, slot, add=shared, out=out)
 
 
 class MoEDecoder(Decoder):
