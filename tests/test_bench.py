@@ -30,7 +30,8 @@ from ubatch.bench.report import (
     row_note,
     speedup_text,
 )
-from ubatch.bench.schedule import schedule_estimates, step_ms
+from ubatch.bench.schedule import joined_step_ms, mode_step_ms, schedule_estimates, step_ms
+from ubatch.overlap import OverlapMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -460,6 +461,27 @@ def test_schedule_estimates_bracket_a_stretched_split_step():
     assert plain["schedule_model_ms"] < plain["schedule_model_stretched_ms"], "stretched collectives end later"
     assert 1.18 * 126.0 <= plain["schedule_model_stretched_ms"] < 71.0 + 126.0
     assert schedule_estimates(71.0, 126.0, 1.18, num_ubatches=1, layers=8)["schedule_model_stretched_ms"] == 197.0
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("unsplit", lambda c, m: c + m),
+        ("split2", lambda c, m: step_ms(2, 4, c, m, 0.2)),
+        ("tokens4", lambda c, m: step_ms(1, 4, c, m, 0.2, token_chunks=4)),
+        ("split2+tokens2+local", lambda c, m: step_ms(2, 4, c, m, 0.2, local_share=1 / 8, token_chunks=2)),
+        ("pipeline2", lambda c, m: joined_step_ms(1, 2, 4, c, m, 0.2)),
+        ("split2+join+pipeline2", lambda c, m: joined_step_ms(2, 2, 4, c, m, 0.2)),
+        ("overlap", None),
+        ("split2+pipeline2", None),
+        ("pipeline2+local", None),
+        ("split2+allreduce2", None),
+    ],
+)
+def test_each_mode_gets_the_schedule_model_that_describes_it_or_none(name, expected):
+    c, m = 22.5, 20.6
+    got = mode_step_ms(OverlapMode.parse(name), layers=4, compute_ms=c, comm_ms=m, ep_world=8)
+    assert got == (None if expected is None else pytest.approx(expected(c, m)))
 
 
 def test_attention_backend_is_chosen_up_front_and_reported(tmp_path):

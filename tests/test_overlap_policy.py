@@ -21,6 +21,7 @@ from ubatch.bench.modes import (
 from ubatch.bench.plot import plot_kernel_timeline
 from ubatch.bench.report import format_modes_table, modes_policy_sentence
 from ubatch.bench.roofline import shard_worlds
+from ubatch.bench.schedule import mode_step_ms
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
@@ -456,6 +457,12 @@ def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsp
     assert all(c[3] == pytest.approx(rows["unsplit"]["median_ms"], abs=1e-3) for c in calls)
     assert all(c[4] == pytest.approx(rows["unsplit"]["compute_ms"], abs=1e-3) for c in calls)
     assert rows["split2"]["efficiency_ceiling"] == 0.25 and rows["pipeline2"]["efficiency_ceiling"] == 1.0
+    for row in rows.values():
+        c, m = row["compute_ms"], row["comm_ms"]
+        model_ms = mode_step_ms(OverlapMode.parse(row["mode"]), layers=2, compute_ms=c, comm_ms=m, ep_world=4)
+        assert row["schedule_model_ms"] == pytest.approx(model_ms, abs=1e-3)
+        model_speedup, ideal = (c + m) / model_ms, (c + m) / max(c, m)
+        assert row["schedule_model_efficiency"] == pytest.approx((model_speedup - 1) / (ideal - 1), abs=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
+from ubatch.bench.schedule import mode_step_ms
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
@@ -461,6 +462,19 @@ def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, A
     }
 
 
+def model_fields(mode: OverlapMode, *, compute_ms: float, comm_ms: float, **model: Any) -> dict[str, Any]:
+    """A report row's ``schedule_model_ms`` (``ubatch.bench.schedule.mode_step_ms``: the step time
+    the schedule allows ``mode`` from the run's C and M, nothing slower when overlapped, no split
+    tax) and the efficiency it gives (``schedule_model_efficiency``); None where the model does not
+    describe the mode, and an efficiency only where there is communication to hide."""
+    ms = mode_step_ms(mode, compute_ms=compute_ms, comm_ms=comm_ms, **model)
+    ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms) if max(compute_ms, comm_ms) > 0 else 1.0
+    efficiency = None
+    if ms is not None and ms > 0 and ideal > 1 + 1e-9:
+        efficiency = round(((compute_ms + comm_ms) / ms - 1) / (ideal - 1), 4)
+    return {"schedule_model_ms": None if ms is None else round(ms, 4), "schedule_model_efficiency": efficiency}
+
+
 def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: int) -> dict[str, Any]:
     """The policy's pick from the post-capture timings beside the best measured mode."""
     policy = ModePolicy({mode.name: {num_tokens: sweep["capture_time_ms"][mode.name]} for mode in modes})
@@ -561,6 +575,14 @@ def modes_report(
                         ep_world=ep_world,
                         tp_world=tp_world,
                         queued_ms=row["queued_ms"],
+                    ),
+                    **model_fields(
+                        by_name[row["mode"]],
+                        layers=config.num_layers,
+                        compute_ms=sweep["compute_ms"],
+                        comm_ms=sweep["comm_ms"],
+                        attention_share=args.attention_share,
+                        ep_world=ep_world,
                     ),
                     **ceiling_fields(
                         config,

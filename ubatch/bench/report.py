@@ -243,6 +243,7 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
     unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the
     most efficiency the weights the mode reads again leave it (``ubatch.bench.ceiling``), the
+    efficiency the schedule model allows it (where it describes the mode; ``ubatch.bench.schedule``), the
     dropped share, the roofline, (where measured) the host's time to issue one run, and (where
     measured) the same with steps queued (``ubatch.bench.modes``: per-step ms, paired speedup,
     efficiency, roofline share); aligned text, or a markdown table (``markdown``, as
@@ -259,6 +260,11 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
         ("effic.", lambda r: _cell(r.get("efficiency"))),
         ("paired effic.", lambda r: _cell(r.get("paired_efficiency"))),
         ("ceiling", lambda r: _cell(r.get("efficiency_ceiling"))),
+        *(
+            [("model effic.", lambda r: _cell(r.get("schedule_model_efficiency")))]
+            if _any(results, "schedule_model_ms")
+            else []
+        ),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
         (
             "roofline",

@@ -19,6 +19,8 @@ as they did), so a row's gap to its ideal splits into schedule, stretch and the 
 
 from __future__ import annotations
 
+from ubatch.overlap import OverlapMode
+
 DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collective (assumed, not measured)
 
 
@@ -135,3 +137,39 @@ def schedule_estimates(
         "schedule_model_ms": model(1.0),
         "schedule_model_stretched_ms": None if comm_stretch is None else model(comm_stretch),
     }
+
+
+def mode_step_ms(
+    mode: OverlapMode,
+    *,
+    layers: int,
+    compute_ms: float,
+    comm_ms: float,
+    attention_share: float = DEFAULT_ATTENTION_SHARE,
+    ep_world: int = 1,
+) -> float | None:
+    """The model's step time for ``mode`` from the unsplit step's C and M: splits, token chunks
+    and own rows first through ``step_ms`` (own rows are 1/``ep_world`` of each stage's rows),
+    expert groups (joined or not split) through ``joined_step_ms``. None for what the model does
+    not describe: single-batch overlap (what runs under its dispatch is model-specific), chunked
+    all-reduces, expert groups of a split whose stages are not joined, own rows with expert groups."""
+    if mode == OverlapMode():
+        return compute_ms + comm_ms
+    if mode.all_reduce_chunks > 1 or (mode.expert_chunks > 1 and mode.local_first):
+        return None
+    if mode.expert_chunks > 1 or mode.join_experts:
+        if mode.num_ubatches > 1 and not mode.join_experts:
+            return None
+        return joined_step_ms(mode.num_ubatches, mode.expert_chunks, layers, compute_ms, comm_ms, attention_share)
+    if mode.num_ubatches == 1 and mode.token_chunks == 1 and not mode.local_first:
+        return None
+    local_share = 1 / ep_world if mode.local_first else 0.0
+    return step_ms(
+        mode.num_ubatches,
+        layers,
+        compute_ms,
+        comm_ms,
+        attention_share,
+        local_share=local_share,
+        token_chunks=mode.token_chunks,
+    )
