@@ -27,7 +27,7 @@ _MAX_ROWS = 64  # query heads per KV head times query tokens per request: the ti
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows
 _MAX_HEAD_DIM = 256
 _MIN_BLOCK_SIZE = 16
-_MAX_BLOCK_N = 128  # keys per loop step, at most; also at most one page
+_MAX_BLOCK_N = 128  # keys per loop step, at most
 _KEY_TILE_ELEMS = 8192  # a K chunk of at most 64 keys at head_dim 128: 16 KiB of bf16 per stage
 _MIN_SPLIT_CHUNKS = 4  # a split reads at least this many chunks, else its fixed cost dominates
 _MAX_SPLITS = 32
@@ -152,10 +152,12 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _block_n(head_dim: int, block_size: int) -> int:
-    """Keys per loop step: within one page (one block-table lookup per step), and a K chunk of at
-    most ``_KEY_TILE_ELEMS`` elements so the pipelined K/V stages fit in shared memory."""
-    return min(block_size, _MAX_BLOCK_N, _KEY_TILE_ELEMS // head_dim)
+def _block_n(head_dim: int) -> int:
+    """Keys per loop step: a K chunk of at most ``_KEY_TILE_ELEMS`` elements so the pipelined K/V
+    stages fit in shared memory. Pages smaller than that (vLLM's default is 16 tokens) are
+    gathered several per step, one block-table entry per key: a step of one small page would
+    spend more on its softmax bookkeeping than on its bytes."""
+    return min(_MAX_BLOCK_N, _KEY_TILE_ELEMS // head_dim)
 
 
 def _default_splits(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor) -> int:
@@ -172,7 +174,7 @@ def _default_splits(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if programs >= sm_count:
         return 1
     target = _PROGRAMS_PER_SM * sm_count
-    max_chunks = block_table.shape[1] * (kv_cache.shape[2] // _block_n(q.shape[2], kv_cache.shape[2]))
+    max_chunks = block_table.shape[1] * kv_cache.shape[2] // _block_n(q.shape[2])
     return max(1, min(-(-target // max(programs, 1)), max_chunks // _MIN_SPLIT_CHUNKS, _MAX_SPLITS))
 
 
@@ -228,7 +230,7 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_G=max(_MIN_ROWS, triton.next_power_of_2(group * query_len)),
-        BLOCK_N=_block_n(head_dim, block_size),
+        BLOCK_N=_block_n(head_dim),
         MIN_CHUNKS=_MIN_SPLIT_CHUNKS,
         SPLIT=split,
         num_warps=_NUM_WARPS,
@@ -284,7 +286,8 @@ if triton is not None:
         tile's rows: row r is query token r // group of the request, head r % group of the KV
         head's, and sees keys up to its own position (causal). The split's run is an equal share
         of this request's chunks (at least MIN_CHUNKS), so the lengths come from the device and
-        the grid from the shapes. Each step's chunk lies in one page, and the running max starts
+        the grid from the shapes. A step's chunk lies in one page (one table lookup) or, where
+        pages are smaller, spans whole pages (a lookup per key), and the running max starts
         finite, so a row whose keys in a chunk are all masked adds nothing and no row sees
         -inf - -inf; a row with no key leaves a weight sum of 0, written as zeros (and lse -inf
         when split)."""
@@ -313,10 +316,16 @@ if triton is not None:
         total = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
         for start in tl.range(lo, hi, BLOCK_N):  # a for loop, so the compiler pipelines the K/V loads
-            page = tl.load(table_ptr + req.to(tl.int64) * stride_tr + (start // BLOCK_SIZE) * stride_tb)
-            slots = start % BLOCK_SIZE + keys
-            offs = page.to(tl.int64) * stride_cb + slots[:, None] * stride_cs + head_off
             live = start + keys < hi
+            table_row = table_ptr + req.to(tl.int64) * stride_tr
+            if BLOCK_N <= BLOCK_SIZE:
+                page = tl.load(table_row + (start // BLOCK_SIZE) * stride_tb)
+                slots = start % BLOCK_SIZE + keys
+                offs = page.to(tl.int64) * stride_cb + slots[:, None] * stride_cs + head_off
+            else:
+                pages = tl.load(table_row + ((start + keys) // BLOCK_SIZE) * stride_tb, mask=live, other=0)
+                slots = (start + keys) % BLOCK_SIZE
+                offs = pages.to(tl.int64)[:, None] * stride_cb + slots[:, None] * stride_cs + head_off
             k = tl.load(k_ptr + offs, mask=live[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=live[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
