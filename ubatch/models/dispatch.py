@@ -103,6 +103,24 @@ def token_pieces(num_tokens: int, chunks: int) -> list[slice]:
     return consecutive_slices([base + 1] * extra + [base] * (chunks - extra))
 
 
+def chunk_major(rows: torch.Tensor, world: int, chunks: int) -> torch.Tensor:
+    """A static dispatch's rows, one block per rank of ``chunks`` runs of equal length each,
+    laid out run-major instead ([run][rank][row]): each run of every rank's block contiguous, so
+    that one all-to-all sends it (``MoEFFN.token_chunks``). A copy."""
+    num_rows, width = rows.shape
+    return rows.view(world, chunks, num_rows // (world * chunks), width).transpose(0, 1).reshape(num_rows, width)
+
+
+def chunk_major_slots(slot: torch.Tensor, cap: int, world: int, chunks: int) -> torch.Tensor:
+    """Slots ``rank * cap + position`` of blocks of ``cap`` rows (-1: none) where the blocks'
+    rows lie after ``chunk_major``: ``run * world * q + rank * q + position % q``, runs of ``q``
+    rows."""
+    q = cap // chunks
+    rank, position = slot // cap, slot % cap
+    moved = (position // q) * (world * q) + rank * q + position % q
+    return torch.where(slot >= 0, moved, slot)
+
+
 def consecutive_slices(rows: list[int]) -> list[slice]:
     """Slices of consecutive runs of ``rows`` rows each, from row 0."""
     starts = [0]
