@@ -35,8 +35,6 @@ from ubatch.models.dispatch import (
     BlockTables,
     balanced_chunk_rows,
     block_starts,
-    chunk_major,
-    chunk_major_slots,
     consecutive_slices,
     counted_dispatch_plan,
     split_dispatch_rows,
@@ -339,10 +337,8 @@ class MoEFFN(nn.Module):
         chunks, world = self.token_chunks, self.ep_world
         run = math.ceil(cap / chunks)
         back_slot, _, send = send_rows.static_plan(
-            x, ids, weights, self.num_local_experts, 1, world, (run * chunks,), None, counter=self.overflow_count
+            x, ids, weights, self.num_local_experts, 1, world, (run * chunks,), runs=chunks, counter=self.overflow_count
         )
-        send = chunk_major(send, world, chunks)
-        back_slot = chunk_major_slots(back_slot, run * chunks, world, chunks)
         runs = consecutive_slices([world * run] * chunks)
         recv, dispatches = self._start_dispatches(send, runs, runs, None)
         own = _own_rows(runs, [[run] * world] * chunks, self.ep_rank)
