@@ -15,7 +15,9 @@ from ubatch.bench.modes import (
     close_calls,
     mode_partition,
     mode_rows,
+    model_fields,
     paired_check,
+    payload_ratio,
     sweep_modes,
 )
 from ubatch.bench.plot import plot_kernel_timeline
@@ -459,10 +461,38 @@ def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsp
     assert rows["split2"]["efficiency_ceiling"] == 0.25 and rows["pipeline2"]["efficiency_ceiling"] == 1.0
     for row in rows.values():
         c, m = row["compute_ms"], row["comm_ms"]
+        assert row["payload_ratio"] == 1.0, "no capacity factor: the counted dispatch sends the real rows"
         model_ms = mode_step_ms(OverlapMode.parse(row["mode"]), layers=2, compute_ms=c, comm_ms=m, ep_world=4)
         assert row["schedule_model_ms"] == pytest.approx(model_ms, abs=1e-3)
         model_speedup, ideal = (c + m) / model_ms, (c + m) / max(c, m)
         assert row["schedule_model_efficiency"] == pytest.approx((model_speedup - 1) / (ideal - 1), abs=1e-3)
+
+
+def test_the_schedule_model_sends_each_modes_own_padding():
+    """Each ubatch and each token chunk of it is a dispatch of its own, padded for its own call
+    shape: the model's M is the unsplit step's times the rows the mode's dispatches send over the
+    unsplit step's (the combine returns as many), and its efficiency stays against the run's ideal."""
+    model = build_model(ModelConfig.preset("tiny-moe", capacity_factor=1.5), device="cpu", ep_group=HostLink(4))
+    step, _ = make_step(model, [16] * 4)
+    for moe in model.moe_layers.values():  # as measured: fewer tokens a call fill their blocks more unevenly
+        moe.shape_capacity_factors = {(1, 16): (2.0,), (1, 32): (1.7,), (1, 64): (1.4,)}
+    layer = next(iter(model.moe_layers.values()))
+    cap = lambda tokens: sum(layer.capacity(tokens))  # noqa: E731
+    expected = {"unsplit": 1.0, "split2": 2 * cap(32) / cap(64), "tokens4": 4 * cap(16) / cap(64)}
+    expected["split2+tokens2"] = expected["tokens4"]
+    for name, ratio in expected.items():
+        assert payload_ratio(model, step, OverlapMode.parse(name)) == pytest.approx(ratio)
+    assert expected["tokens4"] > 1, "smaller calls pad more"
+    assert layer.expert_chunks == 1 and layer.token_chunks == 1, "the model's mode is put back"
+    counted = build_model(ModelConfig.preset("tiny-moe"), device="cpu", ep_group=HostLink(4))
+    assert payload_ratio(counted, step, OverlapMode.parse("tokens4")) == 1.0
+    mode = OverlapMode.parse("split2+tokens2")
+    fields = model_fields(mode, compute_ms=20.0, comm_ms=18.0, payload_ratio=1.25, layers=4, ep_world=4)
+    assert fields["schedule_model_ms"] == pytest.approx(
+        mode_step_ms(mode, layers=4, compute_ms=20.0, comm_ms=22.5, ep_world=4), abs=1e-3
+    )
+    plain = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=4)
+    assert fields["payload_ratio"] == 1.25 and fields["schedule_model_efficiency"] < plain["schedule_model_efficiency"]
 
 
 @pytest.mark.parametrize(

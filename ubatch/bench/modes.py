@@ -40,6 +40,7 @@ from ubatch.bench.schedule import mode_step_ms
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
+from ubatch.models.dispatch import token_pieces
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.sm import SMPartition
@@ -462,17 +463,44 @@ def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, A
     }
 
 
-def model_fields(mode: OverlapMode, *, compute_ms: float, comm_ms: float, **model: Any) -> dict[str, Any]:
+def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
+    """Rows ``mode``'s dispatches send in one MoE layer over the rows the unsplit step's sends,
+    from the layer's capacity per call shape (each ubatch, and each token chunk of it, a dispatch
+    of its own, padded for its own fullest block); 1 where nothing is padded (no MoE layer, no
+    capacity factor: the counted dispatch sends the real rows)."""
+    layer = next((layer for layer in moe_layers(model) if layer.capacity_factor is not None), None)
+    if layer is None:
+        return 1.0
+
+    def rows(m: OverlapMode) -> int:
+        apply_mode(model, m)
+        try:
+            ubatches = [s.token_slice.stop - s.token_slice.start for s in step.slices(m.num_ubatches)]
+            return sum(sum(layer.capacity(p.stop - p.start)) for n in ubatches for p in token_pieces(n, m.token_chunks))
+        finally:
+            apply_mode(model, OverlapMode())
+
+    return rows(mode) / rows(OverlapMode())
+
+
+def model_fields(
+    mode: OverlapMode, *, compute_ms: float, comm_ms: float, payload_ratio: float = 1.0, **model: Any
+) -> dict[str, Any]:
     """A report row's ``schedule_model_ms`` (``ubatch.bench.schedule.mode_step_ms``: the step time
-    the schedule allows ``mode`` from the run's C and M, nothing slower when overlapped, no split
-    tax) and the efficiency it gives (``schedule_model_efficiency``); None where the model does not
-    describe the mode, and an efficiency only where there is communication to hide."""
-    ms = mode_step_ms(mode, compute_ms=compute_ms, comm_ms=comm_ms, **model)
+    the schedule allows ``mode`` from the run's C and its M times the mode's ``payload_ratio``
+    (the padding its smaller dispatches send), nothing slower when overlapped, no split tax) and
+    the efficiency it gives against the run's ideal (``schedule_model_efficiency``); None where the
+    model does not describe the mode, and an efficiency only where there is communication to hide."""
+    ms = mode_step_ms(mode, compute_ms=compute_ms, comm_ms=comm_ms * payload_ratio, **model)
     ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms) if max(compute_ms, comm_ms) > 0 else 1.0
     efficiency = None
     if ms is not None and ms > 0 and ideal > 1 + 1e-9:
         efficiency = round(((compute_ms + comm_ms) / ms - 1) / (ideal - 1), 4)
-    return {"schedule_model_ms": None if ms is None else round(ms, 4), "schedule_model_efficiency": efficiency}
+    return {
+        "payload_ratio": round(payload_ratio, 4),
+        "schedule_model_ms": None if ms is None else round(ms, 4),
+        "schedule_model_efficiency": efficiency,
+    }
 
 
 def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: int) -> dict[str, Any]:
@@ -581,6 +609,7 @@ def modes_report(
                         layers=config.num_layers,
                         compute_ms=sweep["compute_ms"],
                         comm_ms=sweep["comm_ms"],
+                        payload_ratio=payload_ratio(model, step, by_name[row["mode"]]),
                         attention_share=args.attention_share,
                         ep_world=ep_world,
                     ),

@@ -127,6 +127,11 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _padded(results: Sequence[dict[str, Any]]) -> bool:
+    """Whether any mode's dispatches sent other than the unsplit step's rows (``payload_ratio``)."""
+    return any(r.get("payload_ratio") not in (None, 1.0) for r in results)
+
+
 def _any(results: Sequence[dict[str, Any]], key: str) -> bool:
     """Whether any row has ``key`` set (a column only where a report measured it)."""
     return any(r.get(key) is not None for r in results)
@@ -243,7 +248,8 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
     """One row per (tokens, overlap mode): median (min-max), speedup over the same run's
     unsplit step (of the medians, and of rounds timed back to back), its ideal and efficiency, the
     most efficiency the weights the mode reads again leave it (``ubatch.bench.ceiling``), the
-    efficiency the schedule model allows it (where it describes the mode; ``ubatch.bench.schedule``), the
+    efficiency the schedule model allows it (where it describes the mode; ``ubatch.bench.schedule``) and
+    the rows its dispatches send over the unsplit step's (where any mode's differ), the
     dropped share, the roofline, (where measured) the host's time to issue one run, and (where
     measured) the same with steps queued (``ubatch.bench.modes``: per-step ms, paired speedup,
     efficiency, roofline share); aligned text, or a markdown table (``markdown``, as
@@ -265,6 +271,7 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
             if _any(results, "schedule_model_ms")
             else []
         ),
+        *([("rows sent", lambda r: f"{r['payload_ratio']:.3g}x")] if _padded(results) else []),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
         (
             "roofline",
