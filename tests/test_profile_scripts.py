@@ -497,6 +497,17 @@ def test_sweep_at_ratio_says_where_the_sweep_missed_the_asked_ratio(tmp_path, mo
     assert "the sweep reached M / C 0.24 (asked 0.2): the link ran otherwise" in capsys.readouterr().out
 
 
+def test_sweep_at_ratio_says_when_the_copy_engines_full_speed_is_still_too_slow():
+    """deepseek-bench's 4096-token prefill as one rank of eight took M / C 1.46 at the copy
+    engines' full speed (run 19): no setting of the stand-in reaches 0.9 there."""
+    assert sweep_at_ratio.miss_reason(0.9, 1.46, "host::w8").startswith(": at the copy engines' full speed")
+    assert sweep_at_ratio.miss_reason(0.9, 1.2, "host:20:w8") == (
+        ": the link ran otherwise in the sweep's process than in the probe's"
+    )
+    assert sweep_at_ratio.miss_reason(0.9, 0.5, "host::w8").startswith(": the link ran otherwise")
+    assert sweep_at_ratio.miss_reason(0.9, 0.92, "host::w8") == ""
+
+
 def test_sweep_at_ratio_probes_the_unsplit_step_of_the_sweeps_flags():
     flags = ["--workload", "decode", "--modes", "split2,split2+join", "--tokens", "256"]
     assert sweep_at_ratio.probe_flags(flags, "host:10:w8") == [
