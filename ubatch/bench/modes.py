@@ -40,7 +40,6 @@ from ubatch.bench.schedule import mode_step_ms
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
-from ubatch.models.dispatch import token_pieces
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.sm import SMPartition
@@ -464,10 +463,10 @@ def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, A
 
 
 def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
-    """Rows ``mode``'s dispatches send in one MoE layer over the rows the unsplit step's sends,
-    from the layer's capacity per call shape (each ubatch, and each token chunk of it, a dispatch
-    of its own, padded for its own fullest block); 1 where nothing is padded (no MoE layer, no
-    capacity factor: the counted dispatch sends the real rows)."""
+    """Rows ``mode``'s dispatches send in one MoE layer over the rows the unsplit step's sends
+    (``MoEFFN.static_rows`` of each ubatch: its capacity per call shape, padded for its own
+    fullest block); 1 where nothing is padded (no MoE layer, no capacity factor: the counted
+    dispatch sends the real rows)."""
     layer = next((layer for layer in moe_layers(model) if layer.capacity_factor is not None), None)
     if layer is None:
         return 1.0
@@ -475,8 +474,7 @@ def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
     def rows(m: OverlapMode) -> int:
         apply_mode(model, m)
         try:
-            ubatches = [s.token_slice.stop - s.token_slice.start for s in step.slices(m.num_ubatches)]
-            return sum(sum(layer.capacity(p.stop - p.start)) for n in ubatches for p in token_pieces(n, m.token_chunks))
+            return sum(layer.static_rows(s.token_slice.stop - s.token_slice.start) for s in step.slices(m.num_ubatches))
         finally:
             apply_mode(model, OverlapMode())
 

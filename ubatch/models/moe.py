@@ -537,6 +537,12 @@ class MoEFFN(nn.Module):
             dropped=self.overflow_count,
         )
 
+    def static_rows(self, num_tokens: int) -> int:
+        """Rows a static dispatch of ``num_tokens`` tokens sends each destination rank in the
+        layer's current mode: every expert group's capacity, for each token chunk's tokens (each
+        chunk a dispatch of its own, padded for its own call shape)."""
+        return sum(sum(self.capacity(p.stop - p.start)) for p in token_pieces(num_tokens, self.token_chunks))
+
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
         from ``num_tokens`` tokens per rank (``expert_compute.padded_capacity``), or None where the
