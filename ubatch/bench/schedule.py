@@ -152,13 +152,15 @@ def mode_step_ms(
     and own rows first through ``step_ms`` (own rows are 1/``ep_world`` of each stage's rows),
     expert groups (joined or not split) through ``joined_step_ms``. None for what the model does
     not describe: single-batch overlap (what runs under its dispatch is model-specific), chunked
-    all-reduces, expert groups of a split whose stages are not joined, own rows with expert groups."""
+    all-reduces, expert groups of a split whose stages are not joined, and expert groups or joined
+    stages with own rows first or token chunks (the joined model has neither)."""
     if mode == OverlapMode():
         return compute_ms + comm_ms
-    if mode.all_reduce_chunks > 1 or (mode.expert_chunks > 1 and mode.local_first):
+    if mode.all_reduce_chunks > 1:
         return None
     if mode.expert_chunks > 1 or mode.join_experts:
-        if mode.num_ubatches > 1 and not mode.join_experts:
+        split_not_joined = mode.num_ubatches > 1 and not mode.join_experts
+        if split_not_joined or mode.local_first or mode.token_chunks > 1:
             return None
         return joined_step_ms(mode.num_ubatches, mode.expert_chunks, layers, compute_ms, comm_ms, attention_share)
     if mode.num_ubatches == 1 and mode.token_chunks == 1 and not mode.local_first:
