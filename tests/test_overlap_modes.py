@@ -63,7 +63,7 @@ def check_modes_equal_unsplit(model, seed: int, names: str, rank: int = 0) -> No
 
 MODES = (
     "overlap,pipeline2,pipeline4,split2,split2+pipeline2,split3+pipeline4,split2+join,split3+join+pipeline2,"
-    "split2+local,tokens2,tokens4,split2+tokens3,pipeline2+tokens2"
+    "split2+local,tokens2,tokens4,split2+tokens3,tokens3+local"
 )
 
 
@@ -81,14 +81,17 @@ def _modes_over_ep(rank: int, world: int) -> None:
             seed,
             "overlap,pipeline2,pipeline4,split2+pipeline2,split3,split2+join,split3+join+pipeline4,"
             "local,split2+local,pipeline2+local,split3+join+pipeline2+local,tokens2,split2+tokens2,"
-            "tokens3+local,pipeline2+tokens2",
+            "tokens3+local,split2+tokens2+local",
             rank,
         )
     # the static dispatch (a capacity no row exceeds): each rank places the other's rows at the
     # return positions they carry, per expert group
     static = build_model(ModelConfig(**CONFIG, capacity_factor=8.0), device="cpu", ep_group=dist.group.WORLD)
     check_modes_equal_unsplit(
-        static, 0, "pipeline2,pipeline4,split2+join+pipeline2,pipeline2+local,tokens2,split2+tokens2+local", rank
+        static,
+        0,
+        "pipeline2,pipeline4,split2+join+pipeline2,pipeline2+local,tokens2,tokens3,split2+tokens2+local,tokens4+local",
+        rank,
     )
 
 
@@ -161,13 +164,39 @@ def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypa
     apply_mode(model, OverlapMode())
 
 
-def test_token_chunks_cannot_join_expert_stages():
+def test_token_chunks_cannot_join_expert_stages_or_cut_expert_groups():
     with pytest.raises(ValueError, match="token_chunks=2"):
         OverlapMode.parse("split2+join+tokens2")
-    layer = next(iter(build_model(ModelConfig(**CONFIG), device="cpu").moe_layers.values()))
+    with pytest.raises(ValueError, match="expert_chunks=2, token_chunks=4"):
+        OverlapMode.parse("pipeline2+tokens4")
+    model = build_model(ModelConfig(**CONFIG), device="cpu")
+    layer = next(iter(model.moe_layers.values()))
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="token_chunks"):
             layer.token_chunks = bad
+    layer.expert_chunks, layer.token_chunks = 2, 2  # set one by one, as a mode switch does: refused when run
+    with pytest.raises(ValueError, match="token_chunks=2 cuts the expert stage"):
+        layer(torch.randn(4, model.config.hidden_size))
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_static_token_chunks_send_the_unsplit_steps_rows_cut_into_runs(chunks):
+    """Under a capacity, token chunks cut every destination's block of the unsplit step into runs:
+    they move its bytes (its capacity rounded up to a multiple of the chunks), where chunks of the
+    tokens would each pad for their own fullest block, and the outputs equal the unsplit step's."""
+    moved = {}
+    for mode in ("unsplit", f"tokens{chunks}"):
+        link = HostLink(4, bandwidth_gbps=1000.0)
+        model = build_model(ModelConfig(**CONFIG, capacity_factor=1.5), device="cpu", ep_group=link)
+        layer = next(iter(model.moe_layers.values()))
+        apply_mode(model, OverlapMode.parse(mode))
+        x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+        with torch.inference_mode():
+            moved[mode] = (layer(x), link.bytes_moved)
+    cap = layer.capacity(40)[0]
+    (expected, unsplit_bytes), (got, chunked_bytes) = moved.values()
+    torch.testing.assert_close(got, expected, **TOL)
+    assert chunked_bytes == unsplit_bytes * math.ceil(cap / chunks) * chunks / cap
 
 
 LINK_MODES = (
@@ -177,18 +206,20 @@ LINK_MODES = (
 
 
 @pytest.mark.parametrize(
-    "world_size, names",
+    "world_size, names, capacity_factor",
     [
-        (2, LINK_MODES),
-        (4, LINK_MODES),
-        (8, "overlap,split2,split3,split2+join,split3+join,local,split2+local,tokens2,tokens4,split2+tokens2"),
+        (2, LINK_MODES, None),
+        (4, LINK_MODES, None),
+        (8, "overlap,split2,split3,split2+join,split3+join,local,split2+local,tokens2,tokens4,split2+tokens2", None),
+        (8, "tokens2,tokens3,tokens4+local,split2+tokens2,split3+tokens2+local", 8.0),
     ],
 )
-def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size, names):
+def test_overlap_modes_equal_unsplit_over_the_link_stand_in(world_size, names, capacity_factor):
     """Over a host link each rank holds 1/W of the experts and moves a W-rank world's bytes; its
-    values are one rank's, the same in every mode (with W = 8 a rank holds one expert: no groups)."""
+    values are one rank's, the same in every mode (with W = 8 a rank holds one expert: no groups);
+    with a capacity factor, through the static dispatch."""
     link = HostLink(world_size, bandwidth_gbps=50.0)
-    model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=link)
+    model = build_model(ModelConfig(**CONFIG, capacity_factor=capacity_factor), device="cpu", ep_group=link)
     assert next(iter(model.moe_layers.values())).num_local_experts == 8 // world_size
     check_modes_equal_unsplit(model, 3, names)
     assert link.bytes_moved > 0

@@ -48,10 +48,7 @@ from ubatch.policy import ModePolicy
         ("allreduce2", OverlapMode(all_reduce_chunks=2)),
         ("split2+allreduce4@green16", OverlapMode(num_ubatches=2, all_reduce_chunks=4, comm_sms=16)),
         ("tokens4", OverlapMode(token_chunks=4)),
-        (
-            "split2+pipeline2+tokens2+local",
-            OverlapMode(num_ubatches=2, expert_chunks=2, token_chunks=2, local_first=True),
-        ),
+        ("split2+tokens2+local@green8", OverlapMode(num_ubatches=2, token_chunks=2, local_first=True, comm_sms=8)),
     ],
 )
 def test_modes_parse_and_name_themselves(text, mode):
@@ -70,6 +67,7 @@ def test_modes_parse_and_name_themselves(text, mode):
         "tokens0",
         "tokens9",
         "split2+join+tokens2",
+        "pipeline2+tokens2",
         "split-1",
         "split2+join+join",
         "join2",
@@ -80,7 +78,7 @@ def test_modes_parse_and_name_themselves(text, mode):
     ],
 )
 def test_bad_mode_names_are_refused(text):
-    with pytest.raises(ValueError, match="overlap mode|must be an int|token_chunks"):
+    with pytest.raises(ValueError, match="overlap mode|must be an int|token_chunks|token chunks"):
         parse_modes(text)
 
 

@@ -18,6 +18,12 @@ CASES = [
     (33, 3, 12, 1, 1, (20,)),
     (600, 2, 8, 2, 2, (600, 600)),
 ]
+RUN_CASES = [
+    # tokens, top_k, experts, world, cap, runs: one expert group, its blocks in runs (token chunks)
+    (40, 2, 8, 2, 40, 4),
+    (50, 1, 16, 4, 12, 3),
+    (37, 8, 64, 8, 16, 2),
+]
 
 CHECK = """
 import torch
@@ -25,7 +31,7 @@ from ubatch.models.dispatch import dispatch_plan, row_column_offsets, static_tab
 from ubatch.models import send_rows
 
 
-def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, seed):
+def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, seed, runs=1):
     '''Both plans on random routing; returns the assignments dropped.'''
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -35,8 +41,8 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
     x, ids, weights = (t.to(device) for t in (x, ids, weights))
     tables = None if chunks == 1 else static_tables(list(caps), world, torch.device(device))
     args = (x, ids, weights, experts // world, chunks, world, tuple(caps), tables)
-    want_slot, want_dropped, want_send = dispatch_plan(*args)
-    got_slot, got_dropped, got_send = send_rows.dispatch_plan_kernel(*args)
+    want_slot, want_dropped, want_send = dispatch_plan(*args, runs=runs)
+    got_slot, got_dropped, got_send = send_rows.dispatch_plan_kernel(*args, runs=runs)
     assert torch.equal(got_slot, want_slot), (tokens, chunks, caps)
     assert int(got_dropped) == int(want_dropped), (int(got_dropped), int(want_dropped))
     ids_at = row_column_offsets(hidden, top_k, dtype)[1]
@@ -46,21 +52,21 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
     assert torch.equal(got_send.view(bits), want_send.view(bits)), (tokens, chunks, caps)
     for plan in (send_rows.dispatch_plan_kernel, send_rows.static_plan):  # counting into a running total
         counter = torch.full((), 5, dtype=torch.int64, device=device)
-        counted = plan(*args, counter=counter)[1]
+        counted = plan(*args, runs=runs, counter=counter)[1]
         assert counted is counter and int(counter) == 5 + int(want_dropped), (plan.__name__, int(counter))
     return int(want_dropped)
 """
 
 
 def test_kernels_interpreted():
-    """The interpreter pays per program and loop step, so the blocks shrink (32 rows a scan
-    step, 64 slots a clearing step, 16 elements a copy step: a row of 24 spans two), the
+    """The interpreter pays per program and loop step, so the blocks shrink (32 rows a plan
+    program, 16 elements a copy step: a row of 24 spans two; several plan programs), the
     300-token case runs with a tenth of its tokens and capacities, and the 600-token one is left
     to the CUDA test (as wide in its scan, and as long to interpret as all the others)."""
     run_interpreted(
         CHECK
         + f"""
-send_rows._BLOCK_ROWS, send_rows._BLOCK_FILL, send_rows._MAX_BLOCK_HIDDEN = 32, 64, 16
+send_rows._BLOCK_ROWS, send_rows._MAX_BLOCK_HIDDEN = 32, 16
 dropped = 0
 for dtype in (torch.bfloat16, torch.float32):
     for tokens, top_k, experts, chunks, world, caps in {CASES!r}:
@@ -69,6 +75,8 @@ for dtype in (torch.bfloat16, torch.float32):
         if tokens >= 300:
             tokens, caps = tokens // 10, tuple(cap // 10 for cap in caps)
         dropped += check(tokens, 24, top_k, experts, chunks, world, caps, dtype, "cpu", tokens + chunks)
+    for tokens, top_k, experts, world, cap, runs in {RUN_CASES!r}:
+        dropped += check(tokens, 24, top_k, experts, 1, world, (cap,), dtype, "cpu", tokens, runs)
 assert dropped > 0
 print("interpreted kernel ok")
 """,
@@ -91,3 +99,31 @@ def test_cuda_kernels_match_the_torch_plan(tokens, top_k, experts, chunks, world
     namespace: dict = {}
     exec(CHECK, namespace)
     namespace["check"](tokens, 4096, top_k, experts, chunks, world, caps, torch.bfloat16, "cuda", tokens)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, top_k, experts, world, cap, runs", [*RUN_CASES, (4096, 2, 8, 8, 1332, 4)])
+def test_cuda_kernels_lay_out_runs_as_the_torch_plan(tokens, top_k, experts, world, cap, runs):
+    namespace: dict = {}
+    exec(CHECK, namespace)
+    namespace["check"](tokens, 4096, top_k, experts, 1, world, (cap,), torch.bfloat16, "cuda", tokens, runs)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, world, cap, runs", RUN_CASES)
+def test_runs_lay_each_ranks_block_out_run_major(tokens, top_k, experts, world, cap, runs):
+    """The plan in runs is the plain plan with every rank's block cut into ``runs`` equal runs,
+    run by run: the same rows, at ``chunk_major_slots``' slots."""
+    from ubatch.models.dispatch import chunk_major_slots, dispatch_plan
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 24, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    args = (x, ids, weights, experts // world, 1, world, (cap,))
+    plain_slot, plain_dropped, plain_send = dispatch_plan(*args)
+    slot, dropped, send = dispatch_plan(*args, runs=runs)
+    q = cap // runs
+    assert torch.equal(slot, chunk_major_slots(plain_slot, cap, world, runs)) and int(dropped) == int(plain_dropped)
+    assert torch.equal(send, plain_send.view(world, runs, q, -1).transpose(0, 1).reshape(send.shape))
+    with pytest.raises(ValueError, match="runs=3 needs one expert group whose capacity it divides"):
+        dispatch_plan(*args[:-1], (cap + 1,), runs=3)

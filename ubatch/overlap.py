@@ -19,10 +19,12 @@ Chunked all-reduce (``allreduceK``), for tensor parallelism: each row-parallel p
 attention's output projection, the MLP's down projection) runs in K chunks of rows, and each
 chunk's all-reduce is in flight while the next chunk's GEMM runs (``ubatch.models.layers.row_parallel``).
 
-Token chunks (``tokensK``): the same chain per chunk of tokens (``MoEFFN.token_chunks``), every
-chunk's dispatch started first, so chunk c's GEMMs run while chunk c + 1's rows are in flight and
-chunk c - 1's come back. Each chunk reads the expert weights again: it pays where the GEMMs are
-compute-bound (prefill), and works with one expert per rank, where expert groups cannot.
+Token chunks (``tokensK``): the same chain per chunk of the rows a rank sends each destination,
+in token order (``MoEFFN.token_chunks``), every chunk's dispatch started first, so chunk c's GEMMs
+run while chunk c + 1's rows are in flight and chunk c - 1's come back. Under a capacity the
+chunks cut the unsplit step's blocks, so they send its padding, no more. Each chunk reads the
+expert weights again: it pays where the GEMMs are compute-bound (prefill), and works with one
+expert per rank, where expert groups cannot (the two do not combine).
 
 Own rows first (``local``): the rows a rank routes to its own experts need no transfer, so their
 GEMMs run from the send buffer while the dispatch is in flight, the other ranks' rows after it
@@ -81,6 +83,11 @@ class OverlapMode:
             raise ValueError(
                 f"join_experts runs one expert stage over whole ubatches, not token_chunks={self.token_chunks}"
             )
+        if self.expert_chunks > 1 and self.token_chunks > 1:
+            raise ValueError(
+                f"expert groups and token chunks both cut the expert stage; choose one, got "
+                f"expert_chunks={self.expert_chunks}, token_chunks={self.token_chunks}"
+            )
         if self.num_ubatches > 1 or self._chunked or self.local_first:
             object.__setattr__(self, "single_batch", True)
         if self.comm_sms is not None:
@@ -118,7 +125,7 @@ class OverlapMode:
     def parse(cls, text: str) -> OverlapMode:
         """``unsplit``, ``overlap``, ``splitN``, ``pipelineK``, ``splitN+pipelineK``, or a split
         with ``+join`` (``splitN+join``, ``splitN+join+pipelineK``); ``tokensK`` (token chunks)
-        alone, after a split or a pipeline, or before ``+local``; ``local`` (own rows first) and
+        alone or after a split, or before ``+local``; ``local`` (own rows first) and
         ``allreduceK`` (chunked tensor-parallel all-reduces) alone or as ``+local`` /
         ``+allreduceK`` after a split or a pipeline; any but ``unsplit`` may end in ``@greenK``, a
         green SM partition with K SMs for communication."""

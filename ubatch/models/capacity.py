@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ubatch.models.dispatch import balanced_chunk_rows, row_blocks, token_pieces
+from ubatch.models.dispatch import balanced_chunk_rows, row_blocks
 
 DEFAULT_MARGIN = 1.15
 """The measured fill is multiplied by this before rounding up: a step of other tokens routes
@@ -160,10 +160,9 @@ class RoutingFill:
             return
         _, ids = layer.route(x)
         num_experts = layer.num_local_experts * layer.ep_world
-        chunks = layer.expert_chunks
-        for piece in token_pieces(x.shape[0], layer.token_chunks):  # each token chunk is a dispatch of its own
-            shape = (chunks, piece.stop - piece.start)
-            self._fills.setdefault(shape, []).append(routing_fill(ids[piece], num_experts, layer.ep_world, chunks))
+        chunks = layer.expert_chunks  # token chunks cut the whole call's blocks: its shape
+        shape = (chunks, x.shape[0])
+        self._fills.setdefault(shape, []).append(routing_fill(ids, num_experts, layer.ep_world, chunks))
 
     def fills(self, group: Any = None) -> tuple[dict[Shape, tuple[float, ...]], float]:
         """(per call shape (expert-group count, tokens), the fullest block fill per dispatch

@@ -103,6 +103,30 @@ def token_pieces(num_tokens: int, chunks: int) -> list[slice]:
     return consecutive_slices([base + 1] * extra + [base] * (chunks - extra))
 
 
+def check_runs(runs: int, chunks: int, caps: tuple[int, ...]) -> None:
+    """ValueError unless ``runs`` is a positive int, and above 1 only with one expert group
+    (``chunks``) whose capacity it divides."""
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a positive int, got {runs!r}")
+    if runs > 1 and (chunks != 1 or caps[0] % runs):
+        raise ValueError(
+            f"runs={runs} needs one expert group whose capacity it divides, got chunks={chunks}, caps={caps}"
+        )
+
+
+def chunk_major_slots(slot: torch.Tensor, cap: int, world: int, chunks: int) -> torch.Tensor:
+    """Slots ``rank * cap + position`` of blocks of ``cap`` rows (-1: none, kept) laid out in
+    ``chunks`` runs of ``q = cap / chunks`` rows per block, run-major: ``run * world * q + rank * q
+    + position % q``, so each run of every rank's block is contiguous and one all-to-all sends it
+    (``MoEFFN.token_chunks``). With one run, the slots as they are."""
+    if chunks == 1:
+        return slot
+    q = cap // chunks
+    rank, position = slot // cap, slot % cap
+    moved = (position // q) * (world * q) + rank * q + position % q
+    return torch.where(slot >= 0, moved, slot)
+
+
 def consecutive_slices(rows: list[int]) -> list[slice]:
     """Slices of consecutive runs of ``rows`` rows each, from row 0."""
     starts = [0]
@@ -210,23 +234,27 @@ def dispatch_plan(
     world: int,
     caps: tuple[int, ...],
     tables: BlockTables | None = None,
+    *,
+    runs: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The static plan for dispatch chunks of ``caps`` rows per rank (the combine's chunks take
     them in reverse order): (each (token, rank) row's slot in the combine buffer [tokens, world], -1
     where none comes back; (token, expert) assignments dropped for lack of room; the send buffer
     [world * sum(caps), row width]). With expert groups, ``tables`` holds the blocks
-    (``static_tables``).
+    (``static_tables``); with one, ``runs`` > 1 lays each rank's block out in that many runs,
+    run-major (``chunk_major_slots``; the combine's slots alike).
 
     A row past its dispatch or its combine block's room is dropped, with every expert of its
     token there; a position it held in the other block stays empty. A padding row's hidden state
     is any finite row (no expert reads it): here a token's, in ``send_rows``' kernels zeros."""
+    check_runs(runs, chunks, caps)
     count, block, back_block = row_blocks(ids, n_local, chunks, world)
     pos, back_pos, _, _ = _positions(block, back_block, chunks, world)
     present = count > 0
     if chunks == 1:
         cap = caps[0]
         returned = present & (pos < cap)
-        slot = back_slot = torch.where(returned, block * cap + pos, -1)
+        slot = back_slot = chunk_major_slots(torch.where(returned, block * cap + pos, -1), cap, world, runs)
     else:
         starts, sizes, back_starts, back_sizes = tables
         block, back_block = block.clamp(max=chunks * world - 1), back_block.clamp(max=chunks * world - 1)

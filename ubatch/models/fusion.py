@@ -66,14 +66,14 @@ def fused(fn: F) -> F:
     compiled: dict[str, Callable[..., Any]] = {}
 
     @functools.wraps(fn)
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         shapes = _fuse.get()
         if not (shapes and args[0].is_cuda and _triton_available()):
-            return fn(*args)
+            return fn(*args, **kwargs)
         if shapes not in compiled:
             compiled[shapes] = torch.compile(fn, dynamic=shapes == "dynamic", fullgraph=True)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled[shapes](*args)
+            return compiled[shapes](*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

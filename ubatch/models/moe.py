@@ -95,6 +95,9 @@ class _Dispatched:
     comb_splits: list[tuple[list[int], list[int]]] | None = None
     out: torch.Tensor | None = None
     comb_source: torch.Tensor | None = None
+    # The chunks are runs of the rows sent to each rank (static token chunks), not expert groups:
+    # each goes through the experts on its own (_token_run_stage).
+    token_runs: bool = False
     # The combines' inputs, held with ``send`` until the layer's combines are waited: freed while
     # a transfer still reads them, their blocks could go to new work on the stream that made them
     # (another ubatch's shared experts, the next expert group).
@@ -230,11 +233,13 @@ class MoEFFN(nn.Module):
 
     @property
     def token_chunks(self) -> int:
-        """Chunks of tokens the dispatch -> experts -> combine chain is pipelined over: every
-        chunk's dispatch starts first, then chunk c's expert GEMMs run while chunk c + 1's rows are
-        in flight and chunk c - 1's come back. Each chunk reads the experts' weights again, so it
-        pays where the GEMMs are compute-bound (prefill), and it works with one expert per rank,
-        where expert groups cannot."""
+        """Chunks the dispatch -> experts -> combine chain is pipelined over: every chunk's
+        dispatch starts first, then chunk c's expert GEMMs run while chunk c + 1's rows are in
+        flight and chunk c - 1's come back. A chunk is a run of the rows sent to each rank, in
+        token order: under a capacity, equal runs of the unsplit step's blocks; counted, the rows
+        of a piece of the tokens. Each chunk reads the experts' weights again, so it pays where the
+        GEMMs are compute-bound (prefill), and it works with one expert per rank, where expert
+        groups cannot (the two do not combine, nor with joined experts)."""
         return self._token_chunks
 
     @token_chunks.setter
@@ -251,21 +256,24 @@ class MoEFFN(nn.Module):
         """Route, dispatch, run the experts, combine; with ``expert_chunks`` k > 1 the chain runs
         per group of local experts, so group g's GEMMs run while the next chunk of rows is in
         flight, every expert's weights are still read once, and a token still travels once to each
-        rank; with ``token_chunks`` it runs per chunk of tokens (``token_pieces``), every chunk's
-        dispatch started before any expert GEMM. The shared experts run under the dispatches
+        rank; with ``token_chunks`` it runs per chunk of the rows sent each rank, in token order
+        (counted: per piece of the tokens, ``token_pieces``), every chunk's dispatch started
+        before any expert GEMM. The shared experts run under the dispatches
         (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert stage waits
         for every ubatch of the step and runs once over all their rows."""
         weights, ids = self.route(x)
-        pieces = token_pieces(len(x), self.token_chunks)
-        if self.join_ubatches and len(pieces) > 1:
+        if self.token_chunks > 1 and (self.join_ubatches or self.expert_chunks > 1):
             raise ValueError(
-                f"{self.name}: joined experts run over whole ubatches, not token_chunks={self.token_chunks}"
+                f"{self.name}: token_chunks={self.token_chunks} cuts the expert stage, as joined experts "
+                f"(join_ubatches={self.join_ubatches}) and expert groups (expert_chunks={self.expert_chunks}) "
+                f"do; use one of them"
             )
-        counted = self.capacity_factor is None and not _static_only()
-        if counted:
+        if self.capacity_factor is None and not _static_only():
+            pieces = token_pieces(len(x), self.token_chunks)
             sent = self._dispatch_counted(x, ids, weights, pieces)
         else:
-            sent = [self._dispatch_static(x[piece], ids[piece], weights[piece]) for piece in pieces]
+            pieces = [slice(0, len(x))]
+            sent = [self._dispatch_static(x, ids, weights)]
 
         shared = self.shared(x) if self.shared is not None else None
 
@@ -292,6 +300,8 @@ class MoEFFN(nn.Module):
         num_tokens, hidden = x.shape
         chunks, world = self.expert_chunks, self.ep_world
         caps = self.capacity(num_tokens)
+        if self.token_chunks > 1:
+            return self._dispatch_token_chunks(x, ids, weights, caps[0])
         tables, row_block = self._static_layout(caps, x.device)
         back_slot, _, send = send_rows.static_plan(
             x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables, counter=self.overflow_count
@@ -313,6 +323,39 @@ class MoEFFN(nn.Module):
             dispatches=dispatches,
             own_sent=own,
             own_received=own,
+        )
+
+    def _dispatch_token_chunks(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, _Dispatched]:
+        """The static dispatch of ``cap`` rows per destination (rounded up to a multiple of
+        ``token_chunks``) sent in ``token_chunks`` equal runs of every destination's block, each
+        run one all-to-all: a run holds the next rows in token order, so the chunks together send
+        the unsplit step's padding, where chunks of the tokens would each pad for their own
+        fullest block (1.6x balanced at 1024 tokens against 1.3x at 4096, moe-bench prefill over
+        eight ranks, run 19)."""
+        chunks, world = self.token_chunks, self.ep_world
+        run = math.ceil(cap / chunks)
+        back_slot, _, send = send_rows.static_plan(
+            x, ids, weights, self.num_local_experts, 1, world, (run * chunks,), runs=chunks, counter=self.overflow_count
+        )
+        runs = consecutive_slices([world * run] * chunks)
+        recv, dispatches = self._start_dispatches(send, runs, runs, None)
+        own = _own_rows(runs, [[run] * world] * chunks, self.ep_rank)
+        return back_slot, _Dispatched(
+            num_tokens=len(x),
+            send=send,
+            recv=recv,
+            back=x.new_empty(len(send), x.shape[1]),
+            recv_chunks=runs,
+            comb_chunks=runs,
+            back_chunks=runs,
+            row_block=None,
+            comb_starts=None,
+            dispatches=dispatches,
+            own_sent=own,
+            own_received=own,
+            token_runs=True,
         )
 
     def _start_dispatches(
@@ -430,6 +473,8 @@ class MoEFFN(nn.Module):
         Group g reads every row of chunks 0..g where it landed (a row's chunk is its earliest
         group). With ``local_first`` the rows a rank routed to its own experts go first, from the
         send buffer, while the group's dispatch is still in flight."""
+        if parts[0].token_runs:  # token chunks never join, so one part
+            return [self._token_run_stage(parts[0])]
         chunks = self.expert_chunks
         hidden = self.w2.shape[1]
         one_rank = self.ep_world == 1  # the combine's rows are its input: written in place
@@ -462,6 +507,27 @@ class MoEFFN(nn.Module):
                 splits = None if part.comb_splits is None else part.comb_splits[g]
                 handles.append(_start_all_to_all(part.back[part.back_chunks[g]], rows, self.ep_group, splits))
         return combines
+
+    def _token_run_stage(self, part: _Dispatched) -> list[comm.CollectiveHandle | None]:
+        """Per run of rows (``_dispatch_token_chunks``): its rows through the experts once they
+        landed (with ``local_first`` this rank's own rows first, from the send buffer), then its
+        combine started; the combines' handles."""
+        one_rank = self.ep_world == 1
+        part.out = part.back if one_rank else part.recv.new_empty(len(part.recv), self.w2.shape[1])
+        handles = []
+        for c, rows in enumerate(part.recv_chunks):
+            if self.local_first and not one_rank:
+                own = part.own_received[c]
+                self._run_rows([(part.send[part.own_sent[c]], part.out[own], 0)], 0, part.num_tokens)
+                _wait(part.dispatches[c])
+                peers = (slice(rows.start, own.start), slice(own.stop, rows.stop))
+                self._run_rows([(part.recv[p], part.out[p], 0) for p in peers], 0, part.num_tokens)
+            else:
+                _wait(part.dispatches[c])
+                self._run_rows([(part.recv[rows], part.out[rows], 0)], 0, part.num_tokens)
+            if not one_rank:
+                handles.append(_start_all_to_all(part.back[rows], part.out[rows], self.ep_group))
+        return handles
 
     def _combine_chunk(self, part: _Dispatched, chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows of combine chunk ``chunk`` (those whose latest expert group it is), in the

@@ -4,9 +4,13 @@ Why: in torch ops the sender's plan is about 30 small kernels per layer with one
 (each (token, rank) row's block, a one-hot scan for its position, the slot, the extra columns, the
 gather of the send buffer) and about 50 with several; inside a CUDA graph each costs a few
 microseconds whatever its size, and the pipelined modes' extra ones were most of what they cost
-over the unsplit step with no communication (benchmarks/RESULTS.md, run 10). Here one program
-walks the (token, rank) rows in order, keeping each block's running count (the torch scan's
-positions, so the same slots), and a second kernel writes every send row.
+over the unsplit step with no communication (benchmarks/RESULTS.md, run 10). Here a first pass
+counts each block of (token, rank) rows per key, a second places every row after the rows of the
+blocks before its own and the earlier rows of its own (the torch scan's positions, so the same
+slots), both spread over as many programs as there are blocks of rows: a plan walked by one
+program took longer the more tokens a layer routed, before any row could leave (token chunks as
+runs of the whole call's blocks lost to chunks planned one by one, run 19). A third kernel writes
+every send row.
 """
 
 from __future__ import annotations
@@ -14,12 +18,11 @@ from __future__ import annotations
 import torch
 
 from ubatch._triton import tl, triton, triton_available
-from ubatch.models.dispatch import BlockTables, dispatch_plan, dispatch_row_width, row_column_offsets
+from ubatch.models.dispatch import BlockTables, check_runs, dispatch_plan, dispatch_row_width, row_column_offsets
 
 _MAX_TOP_K = 16  # experts a token may have here; more take the torch path
 _MAX_KEYS = 128  # (chunk, rank) blocks the scan counts at once, dispatch and combine together
-_BLOCK_ROWS = 256  # (token, rank) rows the scan takes per loop step
-_BLOCK_FILL = 1024  # send slots cleared per loop step
+_BLOCK_ROWS = 256  # (token, rank) rows each program of the plan's two passes takes
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,14 +60,15 @@ def static_plan(
     caps: tuple[int, ...],
     tables: BlockTables | None = None,
     *,
+    runs: int = 1,
     counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch. The
     dropped count is added to ``counter`` (an int64 device scalar, then returned in its place)
     where one is given."""
     if kernel_takes(x, ids, weights, chunks, world):
-        return dispatch_plan_kernel(x, ids, weights, n_local, chunks, world, caps, tables, counter=counter)
-    back_slot, dropped, send = dispatch_plan(x, ids, weights, n_local, chunks, world, caps, tables)
+        return dispatch_plan_kernel(x, ids, weights, n_local, chunks, world, caps, tables, runs=runs, counter=counter)
+    back_slot, dropped, send = dispatch_plan(x, ids, weights, n_local, chunks, world, caps, tables, runs=runs)
     return back_slot, dropped if counter is None else counter.add_(dropped), send
 
 
@@ -78,12 +82,14 @@ def dispatch_plan_kernel(
     caps: tuple[int, ...],
     tables: BlockTables | None = None,
     *,
+    runs: int = 1,
     counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dispatch.dispatch_plan`` in two launches, with the same slots, dropped count and rows,
-    except that a padding row's hidden state is zeros (no expert reads it). With a ``counter`` the
-    plan adds the dropped count to it atomically, with no launch of its own (ubatches on other
+    """``dispatch.dispatch_plan`` in three kernels and two small torch ops, with the same slots,
+    dropped count and rows, except that a padding row's hidden state is zeros (no expert reads
+    it). With a ``counter`` the plan adds the dropped count to it atomically (ubatches on other
     streams may count into the same one), and returns it as the count."""
+    check_runs(runs, chunks, caps)
     num_tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_slots = world * sum(caps)
@@ -101,8 +107,29 @@ def dispatch_plan_kernel(
         starts = sizes = back_starts = back_sizes = back_slot  # unread: one chunk has no tables
     else:
         starts, sizes, back_starts, back_sizes = tables
-    _plan_kernel[(1,)](
+    scan = (
         ids,
+        num_tokens * world,
+        top_k,
+        n_local,
+        n_local // chunks,
+        world,
+    )
+    meta = dict(
+        CHUNKS=chunks,
+        KEYS=max(2, triton.next_power_of_2(_scan_keys(chunks, world))),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_ROWS=_BLOCK_ROWS,
+        num_warps=4,
+    )
+    programs = triton.cdiv(num_tokens * world, _BLOCK_ROWS)
+    counts = torch.empty(programs, meta["KEYS"], dtype=torch.int32, device=x.device)
+    _count_kernel[(programs,)](*scan, counts, **meta)
+    earlier = counts.cumsum(dim=0, dtype=torch.int32).sub_(counts)  # rows of each key in the blocks before
+    source.fill_(-1)
+    _place_kernel[(programs,)](
+        *scan,
+        earlier,
         back_slot,
         back_pos,
         source,
@@ -111,19 +138,9 @@ def dispatch_plan_kernel(
         sizes,
         back_starts,
         back_sizes,
-        num_tokens * world,
-        num_slots,
-        top_k,
-        n_local,
-        n_local // chunks,
-        world,
-        caps[0],
-        CHUNKS=chunks,
-        KEYS=max(2, triton.next_power_of_2(_scan_keys(chunks, world))),
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_ROWS=_BLOCK_ROWS,
-        BLOCK_FILL=_BLOCK_FILL,
-        num_warps=4,
+        caps[0] // runs,
+        RUNS=runs,
+        **meta,
     )
     if num_slots:
         _send_rows_kernel[(num_slots,)](
@@ -151,8 +168,80 @@ def dispatch_plan_kernel(
 if triton is not None:
 
     @triton.jit
-    def _plan_kernel(
+    def _row_keys(
         ids_ptr,
+        num_rows,
+        top_k,
+        n_local,
+        group_size,
+        world,
+        CHUNKS: tl.constexpr,
+        KEYS: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+    ):
+        """The (token, rank) rows ``i = token * world + rank`` of this program's block: (i, live,
+        experts there, whether a row goes there, its dispatch block (its earliest expert group's
+        chunk, then the rank), the one-hot of its keys [KEYS, BLOCK_ROWS] (dispatch block, and with
+        expert groups its latest group's combine block as a second set of keys), the combine key)."""
+        i = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        live = i < num_rows
+        token = i // world
+        rank = i % world
+        cols = tl.arange(0, BLOCK_K)
+        ids = tl.load(
+            ids_ptr + token[:, None].to(tl.int64) * top_k + cols[None, :],
+            mask=live[:, None] & (cols[None, :] < top_k),
+            other=-1,
+        ).to(tl.int32)  # int64 division is many times slower
+        on = (ids >= 0) & (ids // n_local == rank[:, None])
+        count = tl.sum(on.to(tl.int32), axis=1)
+        present = live & (count > 0)
+        if CHUNKS == 1:
+            block = rank
+            back_key = rank
+        else:
+            group = (ids % n_local) // group_size
+            first = tl.min(tl.where(on, group, CHUNKS), axis=1)
+            last = tl.max(tl.where(on, group, -1), axis=1)
+            block = first * world + rank
+            back_key = last * world + rank + CHUNKS * world
+        keys = tl.arange(0, KEYS)
+        at_block = keys[:, None] == block[None, :]
+        at_back = keys[:, None] == back_key[None, :]
+        hit = present[None, :] & (at_block | at_back)
+        return i, live, count, present, rank, block, back_key, hit, at_block, at_back
+
+    @triton.jit
+    def _count_kernel(
+        ids_ptr,
+        num_rows,
+        top_k,
+        n_local,
+        group_size,
+        world,
+        counts_ptr,
+        CHUNKS: tl.constexpr,
+        KEYS: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+    ):
+        """Pass one: this block's rows per key, ``counts[program, key]``."""
+        keys = tl.arange(0, KEYS)
+        _, _, _, _, _, _, _, hit, _, _ = _row_keys(
+            ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
+        )
+        tl.store(counts_ptr + tl.program_id(0) * KEYS + keys, tl.sum(hit.to(tl.int32), axis=1))
+
+    @triton.jit
+    def _place_kernel(
+        ids_ptr,
+        num_rows,
+        top_k,
+        n_local,
+        group_size,
+        world,
+        earlier_ptr,
         back_slot_ptr,
         back_pos_ptr,
         source_ptr,
@@ -161,81 +250,47 @@ if triton is not None:
         sizes_ptr,
         back_starts_ptr,
         back_sizes_ptr,
-        num_rows,
-        num_slots,
-        top_k,
-        n_local,
-        group_size,
-        world,
-        cap,
+        run,
+        RUNS: tl.constexpr,
         CHUNKS: tl.constexpr,
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
-        BLOCK_FILL: tl.constexpr,
     ):
-        """One program over the (token, rank) rows ``i = token * world + rank`` in order: each row's
-        dispatch block (its earliest expert group's chunk, then the rank) and combine block (its
-        latest group's, counted as a second set of keys), its position in each among the earlier
-        rows, its slots, and ``source[slot] = i`` for every kept row (-1 in the slots no row
-        takes). A row past either block's room is dropped with all its experts there."""
-        for start in tl.range(0, num_slots, BLOCK_FILL):
-            slots = start + tl.arange(0, BLOCK_FILL)
-            tl.store(source_ptr + slots, tl.full((BLOCK_FILL,), -1, tl.int32), mask=slots < num_slots)
-        tl.debug_barrier()  # every clear lands before a kept row's index does
-        blocks = CHUNKS * world
+        """Pass two: each row's position in its dispatch and combine block among the earlier rows
+        (the blocks before this one's, ``earlier[program]``, then this block's, in order), its
+        slots, and ``source[slot] = i`` for every kept row (the slots were cleared to -1 before).
+        With ``RUNS`` > 1 (one expert group) a block's rows lie in runs of ``run`` rows, run-major
+        (``dispatch.chunk_major_slots``). A row past either block's room is dropped with all its
+        experts there."""
+        i, live, count, present, rank, block, back_key, hit, at_block, at_back = _row_keys(
+            ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
+        )
         keys = tl.arange(0, KEYS)
-        cols = tl.arange(0, BLOCK_K)
-        seen = tl.zeros((KEYS,), dtype=tl.int32)
-        dropped = tl.zeros((BLOCK_ROWS,), dtype=tl.int64)
-        for start in tl.range(0, num_rows, BLOCK_ROWS):
-            i = start + tl.arange(0, BLOCK_ROWS)
-            live = i < num_rows
-            token = i // world
-            rank = i % world
-            ids = tl.load(
-                ids_ptr + token[:, None].to(tl.int64) * top_k + cols[None, :],
-                mask=live[:, None] & (cols[None, :] < top_k),
-                other=-1,
-            ).to(tl.int32)  # int64 division is many times slower
-            on = (ids >= 0) & (ids // n_local == rank[:, None])
-            count = tl.sum(on.to(tl.int32), axis=1)
-            present = live & (count > 0)
-            if CHUNKS == 1:
-                block = rank
-                back_key = rank
+        hits = hit.to(tl.int32)
+        seen = tl.load(earlier_ptr + tl.program_id(0) * KEYS + keys)
+        before = seen[:, None] + tl.cumsum(hits, axis=1) - hits  # earlier rows with each key
+        pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
+        back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=0)
+        if CHUNKS == 1:
+            returned = present & (pos < run * RUNS)
+            if RUNS == 1:
+                slot = block * run + pos
             else:
-                group = (ids % n_local) // group_size
-                first = tl.min(tl.where(on, group, CHUNKS), axis=1)
-                last = tl.max(tl.where(on, group, -1), axis=1)
-                block = first * world + rank
-                back_key = last * world + rank + blocks
-            # keys by rows, scanned along the rows: the inner dimension (a scan along the outer one
-            # gave wrong positions on an H200 with a single key)
-            at_block = keys[:, None] == block[None, :]
-            at_back = keys[:, None] == back_key[None, :]
-            hit = present[None, :] & (at_block | at_back)
-            hits = hit.to(tl.int32)
-            before = seen[:, None] + tl.cumsum(hits, axis=1) - hits  # earlier rows with each key
-            pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
-            back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=0)
-            seen += tl.sum(hits, axis=1)
-            if CHUNKS == 1:
-                returned = present & (pos < cap)
-                slot = block * cap + pos
-                back_slot = slot
-            else:
-                back_block = back_key - blocks
-                room = tl.load(sizes_ptr + block, mask=present, other=0)
-                back_room = tl.load(back_sizes_ptr + back_block, mask=present, other=0)
-                returned = present & (pos < room) & (back_pos < back_room)
-                slot = tl.load(starts_ptr + block, mask=present, other=0) + pos
-                back_slot = tl.load(back_starts_ptr + back_block, mask=present, other=0) + back_pos
-            tl.store(back_slot_ptr + i, tl.where(returned, back_slot, -1).to(tl.int64), mask=live)
-            tl.store(back_pos_ptr + i, back_pos.to(tl.int32), mask=live)
-            tl.store(source_ptr + slot, i.to(tl.int32), mask=returned)
-            dropped += tl.where(present & ~returned, count, 0).to(tl.int64)
-        tl.atomic_add(dropped_ptr, tl.sum(dropped, axis=0))
+                slot = (pos // run) * (world * run) + rank * run + pos % run
+            back_slot = slot
+        else:
+            back_block = back_key - CHUNKS * world
+            room = tl.load(sizes_ptr + block, mask=present, other=0)
+            back_room = tl.load(back_sizes_ptr + back_block, mask=present, other=0)
+            returned = present & (pos < room) & (back_pos < back_room)
+            slot = tl.load(starts_ptr + block, mask=present, other=0) + pos
+            back_slot = tl.load(back_starts_ptr + back_block, mask=present, other=0) + back_pos
+        tl.store(back_slot_ptr + i, tl.where(returned, back_slot, -1).to(tl.int64), mask=live)
+        tl.store(back_pos_ptr + i, back_pos.to(tl.int32), mask=live)
+        tl.store(source_ptr + slot, i.to(tl.int32), mask=returned)
+        dropped = tl.sum(tl.where(present & ~returned, count, 0).to(tl.int64), axis=0)
+        tl.atomic_add(dropped_ptr, dropped)
 
     @triton.jit
     def _send_rows_kernel(
