@@ -93,6 +93,7 @@ print("interpreted kernel ok")
         (1024, 2, 8, 2, 2, (700, 300)),
         (1024, 8, 64, 4, 2, (400, 300, 200, 150)),
         (4096, 8, 64, 2, 8, (1500, 400)),
+        (4096, 2, 8, 1, 8, (1332,)),  # one expert per rank: the block layout of the runs case below
     ],
 )
 def test_cuda_kernels_match_the_torch_plan(tokens, top_k, experts, chunks, world, caps):

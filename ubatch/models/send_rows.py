@@ -1,4 +1,4 @@
-"""The static dispatch plan (``dispatch.dispatch_plan``) in two Triton kernels on CUDA.
+"""The static dispatch plan (``dispatch.dispatch_plan``) in three Triton kernels on CUDA.
 
 Why: in torch ops the sender's plan is about 30 small kernels per layer with one expert group
 (each (token, rank) row's block, a one-hot scan for its position, the slot, the extra columns, the
@@ -10,7 +10,8 @@ blocks before its own and the earlier rows of its own (the torch scan's position
 slots), both spread over as many programs as there are blocks of rows: a plan walked by one
 program took longer the more tokens a layer routed, before any row could leave (token chunks as
 runs of the whole call's blocks lost to chunks planned one by one, run 19). A third kernel writes
-every send row.
+every send row, in the plan's order or, for token chunks, run-major (it reads each row's slot in
+the plan, so the plan's scatter stays the one the GPU tests cover).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from __future__ import annotations
 import torch
 
 from ubatch._triton import tl, triton, triton_available
-from ubatch.models.dispatch import BlockTables, check_runs, dispatch_plan, dispatch_row_width, row_column_offsets
+from ubatch.models.dispatch import (
+    BlockTables,
+    check_runs,
+    chunk_major_slots,
+    dispatch_plan,
+    dispatch_row_width,
+    row_column_offsets,
+)
 
 _MAX_TOP_K = 16  # experts a token may have here; more take the torch path
 _MAX_KEYS = 128  # (chunk, rank) blocks the scan counts at once, dispatch and combine together
@@ -138,8 +146,7 @@ def dispatch_plan_kernel(
         sizes,
         back_starts,
         back_sizes,
-        caps[0] // runs,
-        RUNS=runs,
+        caps[0],
         **meta,
     )
     if num_slots:
@@ -158,11 +165,13 @@ def dispatch_plan_kernel(
             top_k,
             n_local,
             world,
+            caps[0] // runs,
+            RUNS=runs,
             BLOCK_HIDDEN=min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(max(hidden, 1))),
             BLOCK_TAIL=triton.next_power_of_2(width - ids_at),
             num_warps=4,
         )
-    return back_slot, dropped, send
+    return chunk_major_slots(back_slot, caps[0], world, runs), dropped, send
 
 
 if triton is not None:
@@ -181,9 +190,10 @@ if triton is not None:
         BLOCK_ROWS: tl.constexpr,
     ):
         """The (token, rank) rows ``i = token * world + rank`` of this program's block: (i, live,
-        experts there, whether a row goes there, its dispatch block (its earliest expert group's
-        chunk, then the rank), the one-hot of its keys [KEYS, BLOCK_ROWS] (dispatch block, and with
-        expert groups its latest group's combine block as a second set of keys), the combine key)."""
+        the token's experts on the rank, whether a row goes there, its dispatch block (its earliest
+        expert group's chunk, then the rank), its combine key (with expert groups its latest
+        group's block, counted after the dispatch blocks; else the dispatch block), the one-hot of
+        a row's keys [KEYS, BLOCK_ROWS], and of its dispatch and its combine key alone)."""
         i = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = i < num_rows
         token = i // world
@@ -210,7 +220,7 @@ if triton is not None:
         at_block = keys[:, None] == block[None, :]
         at_back = keys[:, None] == back_key[None, :]
         hit = present[None, :] & (at_block | at_back)
-        return i, live, count, present, rank, block, back_key, hit, at_block, at_back
+        return i, live, count, present, block, back_key, hit, at_block, at_back
 
     @triton.jit
     def _count_kernel(
@@ -228,7 +238,7 @@ if triton is not None:
     ):
         """Pass one: this block's rows per key, ``counts[program, key]``."""
         keys = tl.arange(0, KEYS)
-        _, _, _, _, _, _, _, hit, _, _ = _row_keys(
+        _, _, _, _, _, _, hit, _, _ = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
         )
         tl.store(counts_ptr + tl.program_id(0) * KEYS + keys, tl.sum(hit.to(tl.int32), axis=1))
@@ -250,8 +260,7 @@ if triton is not None:
         sizes_ptr,
         back_starts_ptr,
         back_sizes_ptr,
-        run,
-        RUNS: tl.constexpr,
+        cap,
         CHUNKS: tl.constexpr,
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -260,10 +269,8 @@ if triton is not None:
         """Pass two: each row's position in its dispatch and combine block among the earlier rows
         (the blocks before this one's, ``earlier[program]``, then this block's, in order), its
         slots, and ``source[slot] = i`` for every kept row (the slots were cleared to -1 before).
-        With ``RUNS`` > 1 (one expert group) a block's rows lie in runs of ``run`` rows, run-major
-        (``dispatch.chunk_major_slots``). A row past either block's room is dropped with all its
-        experts there."""
-        i, live, count, present, rank, block, back_key, hit, at_block, at_back = _row_keys(
+        A row past either block's room is dropped with all its experts there."""
+        i, live, count, present, block, back_key, hit, at_block, at_back = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
         )
         keys = tl.arange(0, KEYS)
@@ -273,11 +280,8 @@ if triton is not None:
         pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
         back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=0)
         if CHUNKS == 1:
-            returned = present & (pos < run * RUNS)
-            if RUNS == 1:
-                slot = block * run + pos
-            else:
-                slot = (pos // run) * (world * run) + rank * run + pos % run
+            returned = present & (pos < cap)
+            slot = block * cap + pos
             back_slot = slot
         else:
             back_block = back_key - CHUNKS * world
@@ -308,15 +312,22 @@ if triton is not None:
         top_k,
         n_local,
         world,
+        run,
+        RUNS: tl.constexpr,
         BLOCK_HIDDEN: tl.constexpr,
         BLOCK_TAIL: tl.constexpr,
     ):
         """Send row ``program_id(0)``: the hidden state of the (token, rank) row its slot holds,
         that token's router weights (float32 bits) and local ids of its experts on that rank, the
         row's return position (int32 bits), zeros after; a slot no row holds gets zeros and ids
-        -1."""
+        -1. With ``RUNS`` > 1 the rows go out run-major (``dispatch.chunk_major_slots``): row s is
+        position ``s % run`` of run ``s // (world * run)`` of rank ``s // run % world``'s block,
+        whose slot in the plan (block-major) it reads."""
         s = tl.program_id(0)
-        i = tl.load(source_ptr + s)
+        slot = s
+        if RUNS > 1:
+            slot = (s // run) % world * (run * RUNS) + s // (world * run) * run + s % run
+        i = tl.load(source_ptr + slot)
         real = i >= 0
         token = tl.maximum(i, 0) // world
         rank = tl.maximum(i, 0) % world
