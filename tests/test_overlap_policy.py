@@ -1,6 +1,7 @@
 """Overlap modes by name, the policy over modes, and the modes sweep of ubatch-bench (eager, CPU)."""
 
 import json
+import math
 
 import pytest
 import torch.distributed as dist
@@ -467,20 +468,23 @@ def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsp
 
 
 def test_the_schedule_model_sends_each_modes_own_padding():
-    """Each ubatch and each token chunk of it is a dispatch of its own, padded for its own call
-    shape: the model's M is the unsplit step's times the rows the mode's dispatches send over the
-    unsplit step's (the combine returns as many), and its efficiency stays against the run's ideal."""
+    """Each ubatch is a dispatch of its own, padded for its own call shape, and its token chunks
+    cut its blocks into runs: the model's M is the unsplit step's times the rows the mode's
+    dispatches send over the unsplit step's (the combine returns as many), and its efficiency stays
+    against the run's ideal."""
     model = build_model(ModelConfig.preset("tiny-moe", capacity_factor=1.5), device="cpu", ep_group=HostLink(4))
     step, _ = make_step(model, [16] * 4)
     for moe in model.moe_layers.values():  # as measured: fewer tokens a call fill their blocks more unevenly
         moe.shape_capacity_factors = {(1, 16): (2.0,), (1, 32): (1.7,), (1, 64): (1.4,)}
     layer = next(iter(model.moe_layers.values()))
     cap = lambda tokens: sum(layer.capacity(tokens))  # noqa: E731
-    expected = {"unsplit": 1.0, "split2": 2 * cap(32) / cap(64), "tokens4": 4 * cap(16) / cap(64)}
-    expected["split2+tokens2"] = expected["tokens4"]
+    runs = lambda tokens, chunks: chunks * math.ceil(cap(tokens) / chunks)  # noqa: E731
+    expected = {"unsplit": 1.0, "split2": 2 * cap(32) / cap(64), "tokens4": runs(64, 4) / cap(64)}
+    expected["split2+tokens2"] = 2 * runs(32, 2) / cap(64)
     for name, ratio in expected.items():
         assert payload_ratio(model, step, OverlapMode.parse(name)) == pytest.approx(ratio)
-    assert expected["tokens4"] > 1, "smaller calls pad more"
+    assert expected["split2"] > 1, "smaller calls pad more"
+    assert expected["tokens4"] < 4 * cap(16) / cap(64), "runs of the whole call pad less than pieces would"
     assert layer.expert_chunks == 1 and layer.token_chunks == 1, "the model's mode is put back"
     counted = build_model(ModelConfig.preset("tiny-moe"), device="cpu", ep_group=HostLink(4))
     assert payload_ratio(counted, step, OverlapMode.parse("tokens4")) == 1.0

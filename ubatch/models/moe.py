@@ -605,9 +605,12 @@ class MoEFFN(nn.Module):
 
     def static_rows(self, num_tokens: int) -> int:
         """Rows a static dispatch of ``num_tokens`` tokens sends each destination rank in the
-        layer's current mode: every expert group's capacity, for each token chunk's tokens (each
-        chunk a dispatch of its own, padded for its own call shape)."""
-        return sum(sum(self.capacity(p.stop - p.start)) for p in token_pieces(num_tokens, self.token_chunks))
+        layer's current mode: every expert group's capacity; with token chunks the call's capacity
+        rounded up to a multiple of them (``_dispatch_token_chunks``' runs)."""
+        caps = self.capacity(num_tokens)
+        if self.token_chunks > 1:
+            return self.token_chunks * math.ceil(caps[0] / self.token_chunks)
+        return sum(caps)
 
     def expert_capacity(self, num_tokens: int, num_rows: int) -> int | None:
         """Rows per local expert of the padded batched GEMM for ``num_rows`` received rows routed
