@@ -347,5 +347,7 @@ if triton is not None:
         tl.store((row + hidden).to(tl.pointer_type(tl.float32)) + k, tl.where(on, weights, 0.0), mask=in_k)
         position = tl.where(real, tl.load(back_pos_ptr + tl.maximum(i, 0)), 0)
         tl.store((row + position_at).to(tl.pointer_type(tl.int32)), position)
-        local = tl.where(on, ids % n_local, tl.where(in_k, -1, 0))
-        tl.store(row + ids_at + k, local.to(tl.float32).to(send_ptr.dtype.element_ty), mask=ids_at + k < width)
+        # The ids go out as floats built as floats: with one local expert (n_local specialized to
+        # 1, ids % 1 folded to 0) an int -1 chosen by the selects came out +1.0 once converted.
+        local = tl.where(on, (ids % n_local).to(tl.float32), tl.where(in_k, -1.0, 0.0))
+        tl.store(row + ids_at + k, local.to(send_ptr.dtype.element_ty), mask=ids_at + k < width)
