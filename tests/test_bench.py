@@ -476,7 +476,6 @@ def test_schedule_estimates_bracket_a_stretched_split_step():
         ("split2+pipeline2", None),
         ("pipeline2+local", None),
         ("split2+join+local", None),
-        ("pipeline2+tokens2", None),
         ("split2+allreduce2", None),
     ],
 )

@@ -153,14 +153,14 @@ def mode_step_ms(
     expert groups (joined or not split) through ``joined_step_ms``. None for what the model does
     not describe: single-batch overlap (what runs under its dispatch is model-specific), chunked
     all-reduces, expert groups of a split whose stages are not joined, and expert groups or joined
-    stages with own rows first or token chunks (the joined model has neither)."""
+    stages with own rows first (the joined model has none; neither takes token chunks)."""
     if mode == OverlapMode():
         return compute_ms + comm_ms
     if mode.all_reduce_chunks > 1:
         return None
     if mode.expert_chunks > 1 or mode.join_experts:
         split_not_joined = mode.num_ubatches > 1 and not mode.join_experts
-        if split_not_joined or mode.local_first or mode.token_chunks > 1:
+        if split_not_joined or mode.local_first:
             return None
         return joined_step_ms(mode.num_ubatches, mode.expert_chunks, layers, compute_ms, comm_ms, attention_share)
     if mode.num_ubatches == 1 and mode.token_chunks == 1 and not mode.local_first:
