@@ -30,6 +30,7 @@ from ubatch.attention import (
     build_attention_metadata,
     get_attention_context,
     get_backend,
+    split_attn_metadata,
     write_kv,
 )
 from ubatch.attention import backends as backends_module
@@ -38,6 +39,7 @@ from ubatch.attention.backends import describe_backend, load_flash_attn, preferr
 from ubatch.bench.workload import make_step
 from ubatch.context import set_forward_context
 from ubatch.models import ModelConfig, build_model
+from ubatch.slicing import UBatchSlice
 
 LAYER = "model.layers.0.attn"
 
@@ -537,6 +539,26 @@ def test_metadata_building_and_validation():
         build_attention_metadata([1, 1], [1, 1], torch.zeros(3, 2), torch.zeros(2))
     with pytest.raises(ValueError, match="negative block id -1: pad rows with a valid id such as 0"):
         build_attention_metadata([1, 1], [1, 5], torch.tensor([[3, -1], [4, 5]]), torch.zeros(2))
+
+
+@pytest.mark.cuda
+def test_cuda_metadata_and_its_ubatch_split_upload_without_synchronizing():
+    """A split step builds every ubatch's metadata; a synchronizing upload would stall the host
+    until the GPU drained the previous step. The host copies are pinned and the uploads async."""
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(4, 2)
+    slots = torch.arange(12, device="cuda")
+    md = build_attention_metadata([3, 4, 2, 3], [3, 9, 2, 5], table, slots)  # warm the pinned allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = build_attention_metadata([3, 4, 2, 3], [3, 9, 2, 5], table, slots)
+        parts = split_attn_metadata(md, [UBatchSlice(slice(0, 2), slice(0, 5)), UBatchSlice(slice(1, 4), slice(5, 12))])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert md.query_start_loc_cpu.is_pinned() and md.seq_lens_cpu.is_pinned()
+    assert md.query_start_loc.tolist() == [0, 3, 7, 9, 12] and md.seq_lens.tolist() == [3, 9, 2, 5]
+    assert [p.query_start_loc.tolist() for p in parts] == [[0, 3, 5], [0, 2, 4, 7]]
+    assert [p.seq_lens.tolist() for p in parts] == [[3, 7], [9, 2, 5]]
 
 
 def test_paged_kv_cache_layout():

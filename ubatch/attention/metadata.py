@@ -85,11 +85,11 @@ def build_attention_metadata(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    query_start_loc_cpu = torch.tensor(starts, dtype=torch.int32)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    query_start_loc_cpu, query_start_loc = _host_and_device(starts, device)
+    seq_lens_cpu, seq_lens_device = _host_and_device(seq_lens, device)
     return AttentionMetadata(
-        query_start_loc=query_start_loc_cpu.to(device),
-        seq_lens=seq_lens_cpu.to(device),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_device,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         block_table=block_table.to(device=device, dtype=torch.int32),
@@ -98,6 +98,20 @@ def build_attention_metadata(
         seq_lens_cpu=seq_lens_cpu,
         causal=causal,
     )
+
+
+def _host_and_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` as int32 on the host and on ``device``. On CUDA the host copy is pinned and the
+    upload does not wait: a copy from pageable memory synchronizes the stream, so every ubatch's
+    metadata, built at each split step, would hold the host until the GPU had drained the previous
+    step and the next step's first kernels would launch just in time (run 20's traces). While a
+    graph is captured it copies as before: a captured copy would read the pinned buffer at every
+    replay, long after it is freed."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return host, host.to(device)
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
 
 
 def split_attn_metadata(metadata: AttentionMetadata, slices: Sequence[Any]) -> list[AttentionMetadata]:
