@@ -9,7 +9,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 from ubatch.bench.calibration import calibrated_mode_policy
 from ubatch.bench.cli import main, parse_args
-from ubatch.bench.kernels import kernel_costs, kernels_in_trace
+from ubatch.bench.kernels import Kernel, attention_share, kernel_costs, kernels_in_trace
 from ubatch.bench.modes import (
     Timing,
     auto_point,
@@ -388,6 +388,29 @@ def test_the_link_stand_ins_copies_count_as_communication():
     assert kernel_costs(kernels) == pytest.approx((8.0 / 1e3, 3.0 / 1e3))
 
 
+def test_attention_share_is_the_compute_before_each_layers_first_collective():
+    """Two layers of an unsplit step: attention, a dispatch in two chunked copies (an own-rows copy
+    kernel starts inside it), experts, a combine; then a final norm. The share counts the
+    attention kernels and the norm against all compute; unpaired collectives give none."""
+    d2h, h2d = "Memcpy DtoH (Device -> Pinned)", "Memcpy HtoD (Pinned -> Device)"
+    layer = [
+        ("attention", 0, 3),
+        (d2h, 3, 5),
+        (h2d, 4, 6),
+        ("own_rows_copy", 3.5, 4.0),
+        (d2h, 5, 7),
+        ("experts", 7, 13),
+        (d2h, 13, 15),
+        (h2d, 14, 16),
+    ]
+    step = [Kernel(n, a + 20 * i, b + 20 * i) for i in range(2) for n, a, b in layer] + [Kernel("norm", 40, 41)]
+    compute = 2 * (3 + 0.5 + 6) + 1
+    assert attention_share(step) == pytest.approx((2 * 3 + 1) / compute)
+    assert attention_share(step[:-3] + step[-1:]) is None  # the second layer's combine missing
+    assert attention_share([Kernel("gemm", 0, 5)]) is None  # no communication
+    assert attention_share([Kernel(d2h, 0, 1), Kernel(h2d, 2, 3)]) is None  # no compute
+
+
 def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_pick(tmp_path, capsys):
     out = tmp_path / "modes.json"
     main(
@@ -413,7 +436,23 @@ def test_bench_modes_over_the_link_stand_in_reports_every_mode_with_the_policys_
     assert report["setup"]["link"]["kind"] == "host-link stand-in" and report["setup"]["link"]["world_size"] == 2
     (point,) = report["auto"]["points"]
     assert point["choice"] in {"unsplit", "overlap", "pipeline2", "split2"}
-    assert "auto at 64 tokens picks" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "auto at 64 tokens picks" in printed
+    # eager steps on the CPU link: no kernels to measure the attention share from
+    assert all(r["attention_share_measured"] is None for r in report["results"])
+    assert "the schedule model took an assumed attention share of 0.2 (none measured)" in printed
+
+
+def test_the_schedule_model_takes_the_given_then_the_measured_attention_share():
+    from ubatch.bench.cli import model_share_sentence
+    from ubatch.bench.modes import model_attention_share
+
+    assert model_attention_share(0.3, 0.45) == 0.3
+    assert model_attention_share(None, 0.45) == 0.45
+    assert model_attention_share(None, None) == 0.2
+    rows = [{"attention_share_measured": 0.4512}, {"attention_share_measured": 0.4512}]
+    assert model_share_sentence(None, rows).endswith("the unsplit replay measured: 0.45")
+    assert model_share_sentence(0.3, rows) == "the schedule model took an attention share of 0.3 (--attention-share)"
 
 
 def test_a_mode_sweeps_roofline_is_one_ranks_share_of_the_sharded_model(tmp_path, monkeypatch):
@@ -644,8 +683,8 @@ def test_the_unsplit_steps_costs_are_medians_over_profiled_replays(monkeypatch):
     monkeypatch.setattr(modes_module, "profile_kernels", lambda fn, device: profiled.append(fn) or [])
     monkeypatch.setattr(modes_module, "kernel_costs", lambda kernels: next(costs))
     assert modes_module.COST_REPLAYS == 3
-    c, m, samples = modes_module.unsplit_costs(lambda: None, "cpu")
-    assert (c, m, samples) == (4.0, 6.5, [7.0, 5.0, 6.5]) and len(profiled) == 3
+    c, m, samples, share = modes_module.unsplit_costs(lambda: None, "cpu")
+    assert (c, m, samples, share) == (4.0, 6.5, [7.0, 5.0, 6.5], None) and len(profiled) == 3
     sweep = {
         "timings": {"unsplit": Timing(10.0, 10.0, 10.0)},
         "compute_ms": c,

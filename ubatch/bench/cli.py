@@ -144,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention-share",
         type=float,
-        default=DEFAULT_ATTENTION_SHARE,
         help="share of a layer's compute before its first collective, for the schedule model's "
-        "estimate in each row (an assumption, not measured)",
+        "estimate in each row (default: with --modes, measured from the unsplit replay's kernels "
+        f"where it has collectives; else {DEFAULT_ATTENTION_SHARE}, assumed)",
     )
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before the timed ones")
     p.add_argument(
@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--policy and --sm-partition apply to single steps, not to --workload generate")
     if args.model != "moe" and (args.num_experts or args.capacity_factor):
         p.error("--num-experts and --capacity-factor apply to --model moe")
-    if not 0 <= args.attention_share < 1:
+    if args.attention_share is not None and not 0 <= args.attention_share < 1:
         p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
     if args.graphs and args.plot:
         p.error(
@@ -377,6 +377,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print(format_modes_table(results))
         for point in report.get("auto", {}).get("points", []):
             print(f"- {modes_policy_sentence(point)}")
+        print(f"- {model_share_sentence(args.attention_share, results)}")
         capacity = report.get("setup", {}).get("capacity")
         if capacity:
             per_chunk = "".join(
@@ -405,6 +406,17 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print(LEGEND)
         if report["environment"]["device"] == "cpu" and report["environment"]["world_size"] > 1:
             print(CPU_NOTE)
+
+
+def model_share_sentence(given: float | None, results: list[dict[str, Any]]) -> str:
+    """Which attention share the rows' schedule model took, in words."""
+    if given is not None:
+        return f"the schedule model took an attention share of {given:g} (--attention-share)"
+    measured = sorted({r["attention_share_measured"] for r in results if r.get("attention_share_measured") is not None})
+    if measured:
+        shares = ", ".join(f"{m:.2f}" for m in measured)
+        return f"the schedule model took the attention share the unsplit replay measured: {shares}"
+    return f"the schedule model took an assumed attention share of {DEFAULT_ATTENTION_SHARE:g} (none measured)"
 
 
 def main(argv: list[str] | None = None) -> None:

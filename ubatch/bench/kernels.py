@@ -101,6 +101,39 @@ def kernel_costs(kernels: Sequence[Kernel]) -> tuple[float, float]:
     return busy_ms(intervals, "compute"), busy_ms(intervals, "comm")
 
 
+def attention_share(kernels: Sequence[Kernel]) -> float | None:
+    """Of an unsplit replay, the share of compute kernel time spent before each layer's first
+    collective (from the previous layer's second on; the embedding's and the final norm's kernels
+    count on this side too): what ``ubatch.bench.schedule`` calls the attention share. Decode's is
+    far above prefill's (its attention reads the KV cache; its experts see few rows), and the model
+    bounds a split by it. A collective is a run of communication activity (the link stand-in's
+    chunked copies make one) that no compute kernel starts after; each compute kernel counts in the
+    gap before the first collective that starts after it. None unless the collectives come in
+    pairs (a MoE layer's dispatch and combine, a tensor-parallel block's two all-reduces), as in
+    an unsplit step, or without compute."""
+    collective_starts: list[float] = []
+    comm_until = float("-inf")
+    compute_since_comm = True
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        if not k.is_comm:
+            compute_since_comm = compute_since_comm or k.start_us >= comm_until
+            continue
+        if compute_since_comm:
+            collective_starts.append(k.start_us)
+            compute_since_comm = False
+        comm_until = max(comm_until, k.end_us)
+    if not collective_starts or len(collective_starts) % 2:
+        return None
+    before_first = total = 0.0
+    for k in kernels:
+        if k.is_comm:
+            continue
+        gap = sum(start <= k.start_us for start in collective_starts)
+        total += k.end_us - k.start_us
+        before_first += (k.end_us - k.start_us) if gap % 2 == 0 else 0.0
+    return before_first / total if total > 0 else None
+
+
 def comm_durations_us(kernels: Sequence[Kernel]) -> list[float]:
     """Each communication kernel's duration, in start order: the k-th is the k-th collective on
     every rank, since every rank issues its collectives in the same order."""

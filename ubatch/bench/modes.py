@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import GRAPH_MODES, replay_call
-from ubatch.bench.kernels import kernel_costs, profile_kernels
+from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
-from ubatch.bench.schedule import mode_step_ms
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, mode_step_ms
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
@@ -230,7 +230,7 @@ def sweep_modes(
                 if baseline is None:
                     baseline = fn
                     if graph_mode is not None:
-                        compute_ms, comm_ms, comm_samples = unsplit_costs(fn, device)
+                        compute_ms, comm_ms, comm_samples, share = unsplit_costs(fn, device)
                 else:
                     paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
                     queued[mode.name] = queued_rounds(baseline, fn, device, repeats=repeats, group=group)
@@ -251,7 +251,7 @@ def sweep_modes(
             timings[modes[0].name] = sample_ms(baseline, device, warmup=warmup, repeats=repeats)
     if graph_mode is None:
         compute_ms, comm_ms = EagerRuns(model, step, 1).serial_costs()
-        comm_samples = [comm_ms]
+        comm_samples, share = [comm_ms], None
     return {
         "timings": timings,
         "first_baseline_ms": first_baseline_ms,
@@ -260,6 +260,7 @@ def sweep_modes(
         "compute_ms": compute_ms,
         "comm_ms": comm_ms,
         "comm_ms_samples": comm_samples,
+        "attention_share": share,
         "dropped_fraction": dropped,
         "partitions": partitions,
         "paired_speedups": paired,
@@ -267,14 +268,18 @@ def sweep_modes(
     }
 
 
-def unsplit_costs(fn: Callable[[], Any], device: Any) -> tuple[float, float, list[float]]:
-    """(C ms, M ms, each replay's M) of the unsplit step: the medians over ``COST_REPLAYS``
-    profiled replays. One replay's M is one sample of the link's rate, and the ideal, the
-    efficiency and ``scripts/sweep_at_ratio.py``'s M / C all rest on it (run 16: M 23.1 and
-    27.4 ms at one setting in two processes)."""
-    costs = [kernel_costs(profile_kernels(fn, device)) for _ in range(COST_REPLAYS)]
+def unsplit_costs(fn: Callable[[], Any], device: Any) -> tuple[float, float, list[float], float | None]:
+    """(C ms, M ms, each replay's M, the attention share) of the unsplit step: the medians over
+    ``COST_REPLAYS`` profiled replays. One replay's M is one sample of the link's rate, and the
+    ideal, the efficiency and ``scripts/sweep_at_ratio.py``'s M / C all rest on it (run 16: M
+    23.1 and 27.4 ms at one setting in two processes). The share (``kernels.attention_share``)
+    is None where a replay's collectives do not pair up (none without communication)."""
+    replays = [profile_kernels(fn, device) for _ in range(COST_REPLAYS)]
+    costs = [kernel_costs(kernels) for kernels in replays]
+    shares = [attention_share(kernels) for kernels in replays]
     comm = [m for _, m in costs]
-    return statistics.median(c for c, _ in costs), statistics.median(comm), comm
+    share = None if None in shares else statistics.median(shares)
+    return statistics.median(c for c, _ in costs), statistics.median(comm), comm, share
 
 
 def in_mode(model: Any, mode: OverlapMode, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -501,6 +506,15 @@ def model_fields(
     }
 
 
+def model_attention_share(given: float | None, measured: float | None) -> float:
+    """The attention share the schedule model takes: ``--attention-share`` where given, else the
+    unsplit replay's (``kernels.attention_share``), else ``DEFAULT_ATTENTION_SHARE`` (no
+    communication to find the layers' collectives by, or eager steps)."""
+    if given is not None:
+        return given
+    return DEFAULT_ATTENTION_SHARE if measured is None else measured
+
+
 def auto_point(sweep: dict[str, Any], modes: Sequence[OverlapMode], num_tokens: int) -> dict[str, Any]:
     """The policy's pick from the post-capture timings beside the best measured mode."""
     policy = ModePolicy({mode.name: {num_tokens: sweep["capture_time_ms"][mode.name]} for mode in modes})
@@ -608,9 +622,12 @@ def modes_report(
                         compute_ms=sweep["compute_ms"],
                         comm_ms=sweep["comm_ms"],
                         payload_ratio=payload_ratio(model, step, by_name[row["mode"]]),
-                        attention_share=args.attention_share,
+                        attention_share=model_attention_share(args.attention_share, sweep["attention_share"]),
                         ep_world=ep_world,
                     ),
+                    "attention_share_measured": None
+                    if sweep["attention_share"] is None
+                    else round(sweep["attention_share"], 4),
                     **ceiling_fields(
                         config,
                         by_name[row["mode"]],

@@ -28,7 +28,7 @@ from ubatch.bench.options import MeasuredCapacityArg, model_overrides
 from ubatch.bench.plot import plot_timeline, write_chrome_trace
 from ubatch.bench.report import environment, plot_title
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
-from ubatch.bench.schedule import schedule_estimates
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, schedule_estimates
 from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     m.comm_stretch,
                     num_ubatches=n,
                     layers=config.num_layers,
-                    attention_share=args.attention_share,
+                    attention_share=DEFAULT_ATTENTION_SHARE if args.attention_share is None else args.attention_share,
                 ),
                 "dropped_fraction": dropped_fractions(model, step_at(tokens), n, sm_partition=partition),
                 **roofline_fields(
