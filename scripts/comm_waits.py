@@ -27,6 +27,7 @@ import statistics
 from typing import Any
 
 from ubatch.bench.kernels import transfer_ms
+from ubatch.bench.schedule import ideal_speedup
 from ubatch.trace import Interval, busy_ms
 
 COMPUTE, COMM = 0, 1
@@ -79,7 +80,7 @@ def waits_table(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["busy_stretch"] = round(statistics.mean(row["busy_ms"]) / statistics.mean(base["busy_ms"]), 3)
         row["transfer_stretch"] = round(row["transfer_ms"] / base["transfer_ms"], 3)
         c, m = base["compute_busy_ms"], base["transfer_ms"]
-        ideal = (c + m) / max(c, m)
+        ideal = ideal_speedup(c, m)
         speedup = base["wall_ms"] / row["wall_ms"]
         bound = base["wall_ms"] / max(row["compute_busy_ms"], row["transfer_ms"])
         row.update(

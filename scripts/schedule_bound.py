@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, joined_step_ms, step_ms  # noqa: E402
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, joined_step_ms, step_ms  # noqa: E402
 
 
 def main() -> None:
@@ -88,7 +88,7 @@ def main() -> None:
     if args.comm_stretch <= 0:
         p.error(f"--comm-stretch must be positive, got {args.comm_stretch}")
     unsplit = args.compute_ms + args.comm_ms
-    ideal = unsplit / max(args.compute_ms, args.comm_ms)
+    ideal = ideal_speedup(args.compute_ms, args.comm_ms)
 
     def report(label: str, t: float) -> None:
         speedup = unsplit / t

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ubatch.bench.roofline import Ceilings, even_parts, layer_weights, touched_experts
+from ubatch.bench.schedule import ideal_speedup
 from ubatch.models.config import ModelConfig
 from ubatch.overlap import OverlapMode
 
@@ -63,6 +64,6 @@ def ceiling_fields(
         return {"reread_ms": None, "efficiency_ceiling": None}
     reread_ms = extra_weight_bytes(config, mode, num_tokens, ep_world=ep_world, tp_world=tp_world)
     reread_ms /= ceilings.hbm_gbps_datasheet * 1e6
-    ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms)
+    ideal = ideal_speedup(compute_ms, comm_ms)
     best = min(ideal, unsplit_ms / (compute_ms + reread_ms))
     return {"reread_ms": round(reread_ms, 4), "efficiency_ceiling": round(min(1.0, (best - 1) / (ideal - 1)), 4)}

@@ -10,6 +10,7 @@ the kernels split it into transfer and waiting (``transfer_ms``).
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -128,7 +129,7 @@ def attention_share(kernels: Sequence[Kernel]) -> float | None:
     for k in kernels:
         if k.is_comm:
             continue
-        gap = sum(start <= k.start_us for start in collective_starts)
+        gap = bisect.bisect_right(collective_starts, k.start_us)  # collectives started by then
         total += k.end_us - k.start_us
         before_first += (k.end_us - k.start_us) if gap % 2 == 0 else 0.0
     return before_first / total if total > 0 else None

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ubatch.bench.schedule import ideal_speedup
 from ubatch.bench.workload import Step
 from ubatch.context import set_forward_context
 from ubatch.scheduler import UBatchScheduler
@@ -156,8 +157,7 @@ class Measurement:
 
     @property
     def ideal_speedup(self) -> float:
-        longer = max(self.compute_ms, self.comm_ms)
-        return (self.compute_ms + self.comm_ms) / longer if longer > 0 else 1.0
+        return ideal_speedup(self.compute_ms, self.comm_ms)
 
     @property
     def hideable_comm_fraction(self) -> float | None:

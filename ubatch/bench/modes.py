@@ -36,7 +36,7 @@ from ubatch.bench.graphs import GRAPH_MODES, replay_call
 from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
-from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, mode_step_ms
+from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, mode_step_ms
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
@@ -393,7 +393,7 @@ def mode_rows(sweep: dict[str, Any], modes: Sequence[OverlapMode]) -> list[dict[
     paired = sweep.get("paired_speedups", {})
     queued = sweep.get("queued_rounds", {})
     c, m = sweep["compute_ms"], sweep["comm_ms"]
-    ideal = (c + m) / max(c, m) if max(c, m) > 0 else 1.0
+    ideal = ideal_speedup(c, m)
     queued_base = [base for rounds in queued.values() for base, _ in rounds]
     samples = sweep.get("comm_ms_samples")
     comm_range = [round(min(samples), 4), round(max(samples), 4)] if samples else None
@@ -495,7 +495,7 @@ def model_fields(
     the efficiency it gives against the run's ideal (``schedule_model_efficiency``); None where the
     model does not describe the mode, and an efficiency only where there is communication to hide."""
     ms = mode_step_ms(mode, compute_ms=compute_ms, comm_ms=comm_ms * payload_ratio, **model)
-    ideal = (compute_ms + comm_ms) / max(compute_ms, comm_ms) if max(compute_ms, comm_ms) > 0 else 1.0
+    ideal = ideal_speedup(compute_ms, comm_ms)
     efficiency = None
     if ms is not None and ms > 0 and ideal > 1 + 1e-9:
         efficiency = round(((compute_ms + comm_ms) / ms - 1) / (ideal - 1), 4)

@@ -24,6 +24,13 @@ from ubatch.overlap import OverlapMode
 DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collective (assumed, not measured)
 
 
+def ideal_speedup(compute_ms: float, comm_ms: float) -> float:
+    """(C + M) / max(C, M): the unsplit step's time over that of perfect overlap of its compute and
+    communication; 1 where both are zero."""
+    longer = max(compute_ms, comm_ms)
+    return (compute_ms + comm_ms) / longer if longer > 0 else 1.0
+
+
 def step_ms(
     num_ubatches: int,
     layers: int,
