@@ -121,6 +121,24 @@ def test_token_chunks_over_the_link_eager_and_replayed_equal_unsplit(dtype, mode
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
+    "mode_name, graph_mode, world_size",
+    [
+        ("pipeline2", CUDAGraphMode.FULL, 2),
+        ("pipeline4", CUDAGraphMode.FULL, 2),
+        ("split2+pipeline2", CUDAGraphMode.FULL, 2),
+        ("pipeline2", CUDAGraphMode.PIECEWISE, 2),
+        ("tokens4", CUDAGraphMode.FULL, 8),
+    ],
+)
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_expert_stages_on_two_lanes_over_the_link_equal_unsplit(dtype, mode_name, graph_mode, world_size):
+    """Odd expert groups and token runs compute on a second stream that waits for their own
+    dispatch only (``gemm_lanes``): over the link a wait it missed would read rows not yet landed."""
+    _check_split_mode(dtype, mode_name, link=True, graph_mode=graph_mode, world_size=world_size)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
     "mode_name, graph_mode",
     [
         ("allreduce2", CUDAGraphMode.FULL),

@@ -66,3 +66,26 @@ def test_cuda_schedulers_and_the_link_run_on_distinct_streams_after_the_pool_wen
     for scheduler in schedulers:
         handles = [s.cuda_stream for s in [*scheduler.compute_streams, scheduler.comm_stream, side]]
         assert len(set(handles)) == len(handles), f"streams alias: {handles}"
+
+
+def test_a_stream_beside_another_is_its_own_and_the_same_at_every_call(small_pool):
+    compute, comm = ubatch_streams("cuda:0", 1)
+    compute[0].device = torch.device("cuda", 0)
+    beside = streams.beside_stream(compute[0])
+    assert streams.beside_stream(compute[0]) is beside
+    assert beside.cuda_stream not in (compute[0].cuda_stream, comm.cuda_stream)
+
+
+def test_a_green_stream_gets_its_stream_beside_from_its_context_owner():
+    made = []
+
+    class Owner:
+        def beside(self, stream):
+            made.append(stream)
+            return "on the same context"
+
+    class GreenStream:
+        _ubatch_green_owner = Owner()
+
+    green = GreenStream()
+    assert streams.beside_stream(green) == "on the same context" and made == [green]

@@ -14,6 +14,7 @@ allocator hazard, docs/design.md#invariants).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -88,26 +89,29 @@ class CollectiveHandle:
         self.timeout: timedelta | None = None
         self._waited = False
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
+    def wait(self, timeout: timedelta | None = None, *, stream: Any = None) -> bool:
         """Wait for the collective (once; later calls return at once), as ``Work.wait``: inside a
-        ubatch on CPU ``timeout`` replaces the scheduler's. Always True."""
+        ubatch on CPU ``timeout`` replaces the scheduler's. On CUDA the stream that waits is the
+        ubatch's compute stream (outside ubatches the current one), or ``stream``: work that runs
+        beside the compute stream on a stream of its own. Always True."""
         if not self._waited:
             self._waited = True
             self.timeout = timeout
             if timeout is not None and self.pending is not None:
                 self.pending.timeout = timeout.total_seconds()
-            run_island(self._finish)
+            run_island(self._finish, stream)
         return True
 
     def is_completed(self) -> bool:
         return self._waited
 
-    def _finish(self) -> None:
+    def _finish(self, stream: Any = None) -> None:
         """The wait proper, an eager island: a piecewise replay re-runs it after its launch."""
         if self.pending is not None:
-            scheduler.current_ubatch().finish_collective(self.pending)
+            scheduler.current_ubatch().finish_collective(self.pending, stream)
         elif self.work is not None:
-            self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
 
 
 Launch = Callable[[bool, Any, Any], Any]

@@ -216,12 +216,12 @@ class UBatchState:
             sched.trace.add(self.ubatch_id, "comm", op_name, start, sched.trace.mark(sched.comm_stream))
         return pending
 
-    def finish_collective(self, pending: PendingCollective) -> None:
+    def finish_collective(self, pending: PendingCollective, stream: Any = None) -> None:
         """Yield to the other ubatches while the collective is in flight, then make this ubatch's
-        compute wait for its result."""
+        compute (or ``stream``, one beside it) wait for its result."""
         self.yield_now()
         if pending.done_event is not None:
-            self.compute_stream.wait_event(pending.done_event)
+            (self.compute_stream if stream is None else stream).wait_event(pending.done_event)
         else:
             sched = self.scheduler
             limit = sched.timeout_s if pending.timeout is None else pending.timeout

@@ -93,6 +93,7 @@ class _GreenContexts:
         self._device_index = device_index
         self._contexts: list[Any] = []
         self._streams: list[Any] = []
+        self._beside: dict[int, torch.cuda.Stream] = {}
         _checked(driver, driver.cuInit(0), "cuInit")
         dev = _checked(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
         sm_type = driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
@@ -133,7 +134,15 @@ class _GreenContexts:
         self._streams.append(handle)
         stream = torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", self._device_index))
         stream._ubatch_green_owner = self  # the context must outlive the stream
+        stream._ubatch_green_context = context
         return stream
+
+    def beside(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """A second stream on ``stream``'s context (``ubatch.streams.beside_stream``), made once."""
+        other = self._beside.get(stream.cuda_stream)
+        if other is None:
+            other = self._beside[stream.cuda_stream] = self.stream(stream._ubatch_green_context)
+        return other
 
     def __del__(self) -> None:
         driver = self._driver

@@ -45,6 +45,16 @@ def ubatch_streams(device: Any, num_ubatches: int) -> tuple[list[torch.cuda.Stre
     return [named_stream(device, f"ubatch{i}") for i in range(num_ubatches)], named_stream(device, "comm")
 
 
+def beside_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """A second stream for work that may run beside ``stream``'s, on the same SMs: on a
+    green-context stream one on its context (``ubatch.sm``), else a named stream of its own; the
+    same one at every call."""
+    owner = getattr(stream, "_ubatch_green_owner", None)
+    if owner is not None:
+        return owner.beside(stream)
+    return named_stream(stream.device, f"beside:{stream.cuda_stream}")
+
+
 def _fresh_stream(index: int, taken: set[int]) -> torch.cuda.Stream:
     with torch.cuda.device(index):
         for _ in range(POOL_SIZE + 1):

@@ -119,7 +119,8 @@ def padded_experts(
         padded, slot, _ = expert_rows.pad_expert_rows_kernel(x, expert, n, capacity, first, counter=dropped)
     else:
         padded, slot, past = pad_expert_rows(x, expert, n, capacity, first)
-        dropped += past
+        # An atomic add: two expert stages may run at once on two streams (gemm_lanes).
+        dropped.view(1).index_add_(0, torch.zeros(1, dtype=torch.int64, device=x.device), past.view(1))
     gate_up = torch.bmm(padded, w13.transpose(1, 2))
     act = swiglu(gate_up.view(n * capacity, -1)).view(n, capacity, -1)
     return torch.bmm(act, w2.transpose(1, 2)).view(n * capacity, -1), slot

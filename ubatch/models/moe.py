@@ -17,6 +17,7 @@ number of tokens per step (the data-parallel coordinator pads them to the maximu
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from ubatch.models.dispatch import (
     token_pieces,
 )
 from ubatch.models.gather_sum import gather_sum
+from ubatch.models.gemm_lanes import GemmLanes
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.return_places import place_returns
 
@@ -486,17 +488,16 @@ class MoEFFN(nn.Module):
                 part.comb_source = torch.full((part.comb_chunks[-1].stop + 1,), -1, device=part.recv.device)
         combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
         num_tokens = sum(part.num_tokens for part in parts)
+        lanes = GemmLanes(parts[0].recv.device, chunks)
         for g in range(chunks):
             if self.local_first and self.ep_world > 1:
                 self._local_first_group(parts, g, num_tokens)
             else:
-                for part in parts:
-                    _wait(part.dispatches[g])
                 pieces = []
                 for part in parts:
                     rows = part.recv_chunks[g]  # the chunks before it hold earlier groups' sums
                     pieces.append((part.recv[: rows.stop], part.out[: rows.stop], rows.start))
-                self._run_rows(pieces, g, num_tokens)
+                self._run_rows(pieces, g, num_tokens, lanes.stage(g, [part.dispatches[g] for part in parts]))
             for part, handles in zip(parts, combines):
                 if one_rank:
                     if chunks > 1:
@@ -515,6 +516,7 @@ class MoEFFN(nn.Module):
         one_rank = self.ep_world == 1
         part.out = part.back if one_rank else part.recv.new_empty(len(part.recv), self.w2.shape[1])
         handles = []
+        lanes = GemmLanes(part.recv.device, len(part.recv_chunks))
         for c, rows in enumerate(part.recv_chunks):
             if self.local_first and not one_rank:
                 own = part.own_received[c]
@@ -523,8 +525,8 @@ class MoEFFN(nn.Module):
                 peers = (slice(rows.start, own.start), slice(own.stop, rows.stop))
                 self._run_rows([(part.recv[p], part.out[p], 0) for p in peers], 0, part.num_tokens)
             else:
-                _wait(part.dispatches[c])
-                self._run_rows([(part.recv[rows], part.out[rows], 0)], 0, part.num_tokens)
+                pieces = [(part.recv[rows], part.out[rows], 0)]
+                self._run_rows(pieces, 0, part.num_tokens, lanes.stage(c, [part.dispatches[c]]))
             if not one_rank:
                 handles.append(_start_all_to_all(part.back[rows], part.out[rows], self.ep_group))
         return handles
@@ -567,16 +569,25 @@ class MoEFFN(nn.Module):
                 peers.append((part.recv[piece], part.out[piece], 0))
         self._run_rows(peers, g, num_tokens)
 
-    def _run_rows(self, pieces: list[tuple[torch.Tensor, torch.Tensor, int]], g: int, num_tokens: int) -> None:
+    def _run_rows(
+        self,
+        pieces: list[tuple[torch.Tensor, torch.Tensor, int]],
+        g: int,
+        num_tokens: int,
+        lane: contextlib.AbstractContextManager[None] | None = None,
+    ) -> None:
         """Expert group ``g`` over the dispatch rows of every (rows, out, written) piece in one
         call: each row through each of its experts of the group, weighted and summed into its row
-        of ``out``, added to the sums earlier groups wrote in its first ``written`` rows."""
-        pieces = [piece for piece in pieces if len(piece[0])]
-        if not pieces:
-            return
-        joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _, _ in pieces])
-        x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
-        src, index, weights = self._experts(x, ids, weights, g, num_tokens)
+        of ``out``, added to the sums earlier groups wrote in its first ``written`` rows. The
+        GEMMs run inside ``lane`` (``GemmLanes.stage``, which waits for the rows), the sums after
+        it on the current stream."""
+        with contextlib.nullcontext() if lane is None else lane:
+            pieces = [piece for piece in pieces if len(piece[0])]
+            if not pieces:
+                return
+            joined = pieces[0][0] if len(pieces) == 1 else torch.cat([rows for rows, _, _ in pieces])
+            x, ids, weights = split_dispatch_rows(joined, self.w2.shape[1], self.top_k)
+            src, index, weights = self._experts(x, ids, weights, g, num_tokens)
         start = 0
         for rows, out, written in pieces:
             stop = start + len(rows)

@@ -1,0 +1,77 @@
+"""Expert stages on two lanes (``ubatch.models.gemm_lanes``): on CPU every stage runs in turn
+after its collectives; on the GPU odd stages compute on a second stream that waits for their
+own collective only, and the layer's output is the one stage-by-stage order gives (bf16
+atol = rtol = 2e-2 against one expert group, whose grouped GEMM blocks rows differently;
+float32 1e-5 between the same groups)."""
+
+import pytest
+import torch
+
+from ubatch.models import ModelConfig, build_model, expert_compute
+from ubatch.models.gemm_lanes import GemmLanes
+
+
+class Handle:
+    def __init__(self, log):
+        self.log = log
+
+    def wait(self, **kwargs):
+        self.log.append(("wait", kwargs))
+
+
+def test_on_cpu_each_stage_waits_for_its_collectives_then_runs_in_turn():
+    log = []
+    lanes = GemmLanes(torch.device("cpu"), 2)
+    for stage in range(2):
+        with lanes.stage(stage, [Handle(log), None]):
+            log.append(("run", stage))
+    assert log == [("wait", {}), ("run", 0), ("wait", {}), ("run", 1)]
+
+
+def _moe_layer(dtype: torch.dtype, chunks: int):
+    config = ModelConfig(num_experts=8, top_k=2, hidden_size=128, moe_intermediate_size=128, dtype=dtype)
+    model = build_model(config, device="cuda")
+    layer = next(iter(model.moe_layers.values()))
+    layer.expert_chunks = chunks
+    return layer
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_odd_expert_groups_compute_beside_the_even_ones(monkeypatch, chunks):
+    layer = _moe_layer(torch.float32, chunks)
+    streams = []
+    original = expert_compute.group_outputs
+
+    def recording(*args, **kwargs):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        return original(*args, **kwargs)
+
+    x = torch.randn(96, 128, device="cuda")
+    with torch.inference_mode():
+        monkeypatch.setattr(expert_compute, "group_outputs", recording)
+        got = layer(x)
+        monkeypatch.setattr(expert_compute, "group_outputs", original)
+        in_turn = GemmLanes.__init__
+
+        def one_lane(self, device, stages):
+            in_turn(self, device, 1)
+
+        monkeypatch.setattr(GemmLanes, "__init__", one_lane)
+        expected = layer(x)
+    main = torch.cuda.current_stream().cuda_stream
+    assert len(streams) == chunks
+    assert set(streams[0::2]) == {main}, "even groups run on the current stream"
+    assert len(set(streams[1::2])) == 1 and main not in streams[1::2], "odd groups run on one stream beside it"
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_bf16_expert_groups_on_two_lanes_equal_one_group():
+    layer = _moe_layer(torch.bfloat16, 2)
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+        layer.expert_chunks = 1
+        expected = layer(x)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

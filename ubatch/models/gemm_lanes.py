@@ -1,0 +1,62 @@
+"""Two lanes for a chain of expert stages (expert groups, token runs): every other stage's GEMMs
+run on a second stream beside the current one, on the same SMs, so one stage's tiles fill the
+SMs the other's last wave leaves idle.
+
+Why: a grouped GEMM runs in waves of tiles over the SMs, and cutting one call into k leaves k
+partly filled last waves. Two groups of four experts in turn took 1.08-1.10x one call over eight
+at 1024-2048 decode tokens, beside each other 0.96-1.00x (one H100, four layers replayed from a
+graph: ``scripts/bench_expert_groups.py``).
+
+Only what a stage computes from its received rows runs on the second lane; what it writes into
+shared outputs (sums over groups, combines) stays on the current stream, in stage order, after
+the current stream waits for the lane. The lane forks from the current stream where the lanes
+open, before the first stage, and waits for its own stage's collective, so its GEMMs can start
+while the stage before still runs. Lanes run on CUDA outside PIECEWISE recording, whose pieces
+are separate graphs (a fork recorded in one piece cannot be waited in another); elsewhere every
+stage runs in turn on the current stream. A stage's GEMMs may write state shared by every
+stage only atomically (the dropped-rows counter is added to so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ubatch import islands
+from ubatch.streams import beside_stream
+
+
+class GemmLanes:
+    """Opened where a chain of ``stages`` starts (``stage`` each in turn, index 0 first)."""
+
+    def __init__(self, device: torch.device, stages: int) -> None:
+        self._side: torch.cuda.Stream | None = None
+        if stages > 1 and device.type == "cuda" and not islands.recording_active():
+            self._main = torch.cuda.current_stream(device)
+            self._side = beside_stream(self._main)
+            self._fork = self._main.record_event()
+            self._forked = False
+
+    @contextmanager
+    def stage(self, index: int, collectives: Iterable[Any]) -> Iterator[None]:
+        """Run stage ``index``'s GEMMs in the with block once its ``collectives`` (handles, None
+        for done) landed: odd stages on the second lane, which the current stream waits for when
+        the block ends; even ones, and all without a second lane, on the current stream."""
+        if self._side is None or index % 2 == 0:
+            for handle in collectives:
+                if handle is not None:
+                    handle.wait()
+            yield
+            return
+        if not self._forked:
+            self._side.wait_event(self._fork)
+            self._forked = True
+        for handle in collectives:
+            if handle is not None:
+                handle.wait(stream=self._side)
+        with torch.cuda.stream(self._side):
+            yield
+        self._main.wait_stream(self._side)
