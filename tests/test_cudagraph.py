@@ -347,8 +347,8 @@ def test_a_piecewise_replay_runs_the_other_ubatch_while_a_collective_is_in_fligh
         log.append(("start", self.ubatch_id))
         return start(self, *args, **kwargs)
 
-    def logged_finish(self, pending):
-        finish(self, pending)
+    def logged_finish(self, pending, stream=None):
+        finish(self, pending, stream)
         log.append(("waited", self.ubatch_id))
 
     monkeypatch.setattr(scheduler.UBatchState, "start_collective", logged_start)

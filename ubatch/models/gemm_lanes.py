@@ -9,12 +9,14 @@ graph: ``scripts/bench_expert_groups.py``).
 
 Only what a stage computes from its received rows runs on the second lane; what it writes into
 shared outputs (sums over groups, combines) stays on the current stream, in stage order, after
-the current stream waits for the lane. The lane forks from the current stream where the lanes
-open, before the first stage, and waits for its own stage's collective, so its GEMMs can start
-while the stage before still runs. Lanes run on CUDA outside PIECEWISE recording, whose pieces
-are separate graphs (a fork recorded in one piece cannot be waited in another); elsewhere every
-stage runs in turn on the current stream. A stage's GEMMs may write state shared by every
-stage only atomically (the dropped-rows counter is added to so).
+the current stream waits for the lane. Before each odd stage the lane waits for the current
+stream as it stood when the even stage before opened, and for its own stage's collective: so
+its GEMMs can start while that even stage still runs, yet only after the current stream read
+what the lane's previous stage made (a block the lane frees is reused on the lane only, so it
+is never written while the current stream still reads it). Lanes run on CUDA outside PIECEWISE
+recording, whose pieces are separate graphs (an event recorded in one piece cannot be waited in
+another); elsewhere every stage runs in turn on the current stream. A stage's GEMMs may write
+state shared by every stage only atomically (the dropped-rows counter is added to so).
 """
 
 from __future__ import annotations
@@ -37,23 +39,25 @@ class GemmLanes:
         if stages > 1 and device.type == "cuda" and not islands.recording_active():
             self._main = torch.cuda.current_stream(device)
             self._side = beside_stream(self._main)
-            self._fork = self._main.record_event()
-            self._forked = False
+            self._opened: torch.cuda.Event | None = None
 
     @contextmanager
     def stage(self, index: int, collectives: Iterable[Any]) -> Iterator[None]:
         """Run stage ``index``'s GEMMs in the with block once its ``collectives`` (handles, None
         for done) landed: odd stages on the second lane, which the current stream waits for when
-        the block ends; even ones, and all without a second lane, on the current stream."""
+        the block ends; even ones, and all without a second lane, on the current stream. Stage
+        i's consumers (its sums, its combine) are issued before stage i + 1 opens."""
         if self._side is None or index % 2 == 0:
+            if self._side is not None:
+                self._opened = self._main.record_event()
             for handle in collectives:
                 if handle is not None:
                     handle.wait()
             yield
             return
-        if not self._forked:
-            self._side.wait_event(self._fork)
-            self._forked = True
+        if self._opened is None:
+            raise RuntimeError(f"expert stage {index} opened before stage 0: stages run in order")
+        self._side.wait_event(self._opened)
         for handle in collectives:
             if handle is not None:
                 handle.wait(stream=self._side)
