@@ -1,6 +1,7 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
 lane sat idle, kernel families that grow when split, the schedule bound's limits, the
-first-use cost probe, the policy replay and the sweep at a communication-to-compute ratio."""
+first-use cost probe, the policy replay, the sweep at a communication-to-compute ratio and the
+expert-group bench's routed rows."""
 
 import gzip
 import importlib.util
@@ -31,6 +32,7 @@ first_use_cost = _load("first_use_cost")
 replay_policy = _load("replay_policy")
 modes_table = _load("modes_table")
 sweep_at_ratio = _load("sweep_at_ratio")
+bench_expert_groups = _load("bench_expert_groups")
 
 
 def _trace():
@@ -537,3 +539,12 @@ def test_sweep_at_ratio_sets_the_link_itself(tmp_path, capsys):
             ["--ratio", "0.9", "--out", str(tmp_path / "x.json"), "--", "--modes", "split2", "--link", "host"]
         )
     assert "the script sets --link" in capsys.readouterr().err
+
+
+def test_the_expert_group_bench_routes_every_token_to_top_k_experts():
+    import torch
+
+    ends = bench_expert_groups.routed_offsets(1024, 8, 2, torch.Generator().manual_seed(0))
+    counts = [b - a for a, b in zip([0, *ends], ends)]
+    assert len(ends) == 8 and ends[-1] == 2048 and min(counts) > 0
+    assert max(counts) < 2 * 2048 / 8, f"a random router this uneven is not the presets' routing: {counts}"
