@@ -4,10 +4,12 @@ own collective only, and the layer's output is the one stage-by-stage order give
 atol = rtol = 2e-2 against one expert group, whose grouped GEMM blocks rows differently;
 float32 1e-5 between the same groups)."""
 
+import contextlib
+
 import pytest
 import torch
 
-from ubatch.models import ModelConfig, build_model, expert_compute
+from ubatch.models import ModelConfig, build_model, expert_compute, gemm_lanes
 from ubatch.models.gemm_lanes import GemmLanes
 
 
@@ -26,6 +28,77 @@ def test_on_cpu_each_stage_waits_for_its_collectives_then_runs_in_turn():
         with lanes.stage(stage, [Handle(log), None]):
             log.append(("run", stage))
     assert log == [("wait", {}), ("run", 0), ("wait", {}), ("run", 1)]
+
+
+class FakeStream:
+    """Logs what a CUDA stream would be asked to do, for the lanes' order on a CPU."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.events = name, log, 0
+
+    def record_event(self):
+        self.events += 1
+        event = f"{self.name} event {self.events}"
+        self.log.append((self.name, "record", event))
+        return event
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait", event))
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait", other.name))
+
+
+def test_a_lane_waits_for_the_current_stream_as_the_even_stage_before_it_opened(monkeypatch):
+    """Stage 3 on the lane may start beside stage 2, but only after the current stream issued
+    stage 1's consumers (recorded where stage 2 opened): else blocks the lane freed after stage 1
+    are rewritten while the current stream still reads them."""
+    log = []
+    main, side = FakeStream("main", log), FakeStream("side", log)
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(gemm_lanes.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(gemm_lanes.torch.cuda, "stream", on)
+    monkeypatch.setattr(gemm_lanes, "beside_stream", lambda stream: side)
+
+    class Collective:
+        def __init__(self, stage):
+            self.stage = stage
+
+        def wait(self, stream=None):
+            log.append(((stream or main).name, "wait", f"dispatch {self.stage}"))
+
+    lanes = GemmLanes(torch.device("cuda"), 4)
+    for stage in range(4):
+        with lanes.stage(stage, [Collective(stage)]):
+            log.append((current[-1].name, "gemms", stage))
+        log.append(("main", "sums", stage))
+    assert log == [
+        ("main", "record", "main event 1"),
+        ("main", "wait", "dispatch 0"),
+        ("main", "gemms", 0),
+        ("main", "sums", 0),
+        ("side", "wait", "main event 1"),
+        ("side", "wait", "dispatch 1"),
+        ("side", "gemms", 1),
+        ("main", "wait", "side"),
+        ("main", "sums", 1),
+        ("main", "record", "main event 2"),
+        ("main", "wait", "dispatch 2"),
+        ("main", "gemms", 2),
+        ("main", "sums", 2),
+        ("side", "wait", "main event 2"),
+        ("side", "wait", "dispatch 3"),
+        ("side", "gemms", 3),
+        ("main", "wait", "side"),
+        ("main", "sums", 3),
+    ]
 
 
 def _moe_layer(dtype: torch.dtype, chunks: int):
