@@ -1,5 +1,6 @@
 """Overlapped collectives: equal to the plain torch.distributed calls, inside and outside ubatches."""
 
+import contextlib
 import functools
 import os
 import re
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from ubatch import comm
-from ubatch.scheduler import UBatchScheduler, current_ubatch, current_ubatch_id
+from ubatch.scheduler import PendingCollective, UBatchScheduler, UBatchState, current_ubatch, current_ubatch_id
 from ubatch.slicing import split_batch
 
 
@@ -165,3 +166,45 @@ def _peer_exits(rank, world_size):
 
 def test_a_peer_that_exits_is_reported_as_gone_not_as_a_timeout():
     run_distributed(_peer_exits, 2, timeout_s=90)
+
+
+def test_a_handle_makes_the_stream_it_is_given_wait_once(monkeypatch):
+    """``wait(stream=...)``: inside a ubatch the ubatch's finish_collective gets the stream; outside
+    one the work is waited with that stream current; a second wait does nothing."""
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append((self.name, "waits", event))
+
+    class Scheduler:
+        trace = None
+
+    state = UBatchState(ubatch_id=0, scheduler=Scheduler(), compute_stream=Stream("compute"))
+    monkeypatch.setattr(UBatchState, "yield_now", lambda self: log.append(("yield",)))
+    monkeypatch.setattr(comm.scheduler, "current_ubatch", lambda: state)
+    inside = comm.CollectiveHandle("all_to_all_single")
+    inside.pending = PendingCollective("all_to_all_single", done_event="dispatch done")
+    assert inside.wait(stream=Stream("beside")) and inside.wait()
+    assert log == [("yield",), ("beside", "waits", "dispatch done")]
+
+    log.clear()
+
+    @contextlib.contextmanager
+    def current(stream):
+        log.append(("current", stream.name))
+        yield
+        log.append(("current", "back"))
+
+    class Work:
+        def wait(self):
+            log.append(("work waited",))
+
+    monkeypatch.setattr(comm.torch.cuda, "stream", current)
+    outside = comm.CollectiveHandle("all_to_all_single")
+    outside.work = Work()
+    outside.wait(stream=Stream("beside"))
+    assert log == [("current", "beside"), ("work waited",), ("current", "back")]
