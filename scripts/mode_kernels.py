@@ -26,7 +26,7 @@ import torch
 from ubatch.attention.backends import get_backend
 from ubatch.bench.capacity import set_measured_capacity
 from ubatch.bench.gaps import step_gaps
-from ubatch.bench.graphs import GRAPH_MODES
+from ubatch.bench.graphs import PREFILL_GRAPHS, graph_mode_for
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
 from ubatch.bench.modes import GraphedMode, mode_partition
 from ubatch.bench.options import MeasuredCapacityArg, capacity_factor_arg, int_list
@@ -94,6 +94,7 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
     """One line per mode of the ``tokens``-token step, then the unsplit step's costliest kernel
     families and each other mode's largest changes against them."""
     step = step_at(model, tokens, args)
+    graph_mode = graph_mode_for(args.workload, args.prefill_graphs)
     base: dict[str, tuple[int, float]] = {}
     partitions: dict[int, SMPartition] = {}
     for mode in args.modes:
@@ -101,7 +102,7 @@ def print_modes(model: object, tokens: int, args: argparse.Namespace, device: to
         with tempfile.TemporaryDirectory() as scratch:
             trace = os.path.join(args.trace_dir or scratch, f"{mode.name}_{tokens}.json")
             with fused_glue(args.fuse_glue is not None, dynamic=args.fuse_glue != "static"):
-                with GraphedMode(model, step, mode, GRAPH_MODES[args.workload], partition) as replay:
+                with GraphedMode(model, step, mode, graph_mode, partition) as replay:
                     kernels = profile_kernels(replay, device, chrome_trace=trace)
             gaps = gap_fields(trace)
         print(json.dumps({"tokens": tokens, "mode": mode.name, **summary(kernels), **gaps}), flush=True)
@@ -135,6 +136,9 @@ def main() -> None:
         choices=["decode", "prefill"],
         default="decode",
         help="decode requests of one token (FULL graphs), or prompts of --prompt-len (PIECEWISE graphs)",
+    )
+    p.add_argument(
+        "--prefill-graphs", choices=PREFILL_GRAPHS, default="piecewise", help="prefill's graphs, as ubatch-bench's"
     )
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--context-len", type=int, default=512, help="cached tokens per decode request")

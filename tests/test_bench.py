@@ -31,6 +31,7 @@ from ubatch.bench.report import (
     speedup_text,
 )
 from ubatch.bench.schedule import joined_step_ms, mode_step_ms, schedule_estimates, step_ms
+from ubatch.context import CUDAGraphMode
 from ubatch.overlap import OverlapMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -577,6 +578,15 @@ def test_cpu_runs_reuse_freed_large_buffers_instead_of_faulting_them_in_again():
         (["--out", "/nonexistent/report.json"], "--out '/nonexistent/report.json' cannot be written: No such file"),
         (["--plot", "/nonexistent/plot.png"], "--plot '/nonexistent/plot.png' cannot be written: No such file"),
         (["--chrome-trace", "/"], "--chrome-trace '/' is a directory, not a file"),
+        (["--prefill-graphs", "full"], "--prefill-graphs full applies to --graphs --workload prefill"),
+        (
+            ["--graphs", "--workload", "prefill", "--prefill-graphs", "full", "--tokens", "512,1000"],
+            "--prefill-graphs full replays prompts of one length: --tokens 1000 is not a multiple of --prompt-len 128",
+        ),
+        (
+            ["--graphs", "--workload", "prefill", "--modes", "split2+join"],
+            "--modes split2+join: joined experts run eagerly or from FULL graphs (decode, or --prefill-graphs full)",
+        ),
     ],
 )
 def test_bad_flags_end_in_a_usage_error_before_the_run(argv, message, capsys, monkeypatch):
@@ -654,3 +664,13 @@ def test_a_report_names_the_code_it_measured(monkeypatch, tmp_path):
     (tmp_path / "site-packages").mkdir()
     monkeypatch.setattr(report_module.os.path, "abspath", lambda path: str(tmp_path / "site-packages" / "x.py"))
     assert report_module.code_version() is None, "outside its own checkout it says nothing rather than guess"
+
+
+def test_prefill_replays_from_full_graphs_only_where_asked():
+    from ubatch.bench.graphs import graph_mode_for
+
+    assert graph_mode_for("decode") == graph_mode_for("decode", "full") == CUDAGraphMode.FULL
+    assert graph_mode_for("prefill") == graph_mode_for("mixed", "full") == CUDAGraphMode.PIECEWISE
+    assert graph_mode_for("prefill", "full") == CUDAGraphMode.FULL
+    with pytest.raises(ValueError, match="prefill_graphs must be one of piecewise, full, got 'FULL'"):
+        graph_mode_for("prefill", "FULL")

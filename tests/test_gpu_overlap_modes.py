@@ -5,7 +5,7 @@ an ulp apart, which can flip a near-tie of the next layer's router: CPU tests co
 float32);
 splits with joined expert stages, eager and replayed from FULL graphs, over no link and over the
 link stand-in (whose transfers really run on the copy engines), own rows first and token chunks
-over the link,
+over the link, prompts of one length replayed from FULL graphs,
 and a tensor-parallel dense model's chunked all-reduces over the link, equal the unsplit eager step.
 
 Tolerance: float32 atol = rtol = 1e-4; bf16 atol = rtol = 2e-2 (expert groups change the
@@ -139,6 +139,18 @@ def test_expert_stages_on_two_lanes_over_the_link_equal_unsplit(dtype, mode_name
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
+    "mode_name, world_size", [("split2", 2), ("split2+tokens2", 8), ("tokens2", 8), ("pipeline2", 2), ("overlap", 2)]
+)
+@pytest.mark.parametrize("dtype", list(CONFIGS))
+def test_uniform_prompts_replayed_from_full_graphs_equal_unsplit(dtype, mode_name, world_size):
+    """Prefill of prompts of one length over random contexts, from a FULL graph (``ubatch-bench
+    --prefill-graphs full``): causal attention over every slot at the block table's width, masked by
+    device-side lengths, must equal the eager step whatever the contexts."""
+    _check_split_mode(dtype, mode_name, link=True, graph_mode=CUDAGraphMode.FULL, world_size=world_size, prefill=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
     "mode_name, graph_mode",
     [
         ("allreduce2", CUDAGraphMode.FULL),
@@ -161,13 +173,27 @@ def test_modes_over_an_eight_rank_link_eager_and_replayed_equal_unsplit(mode_nam
 
 
 def _check_split_mode(
-    dtype: str, mode_name: str, link: bool, graph_mode: CUDAGraphMode = CUDAGraphMode.FULL, world_size: int = 2
+    dtype: str,
+    mode_name: str,
+    link: bool,
+    graph_mode: CUDAGraphMode = CUDAGraphMode.FULL,
+    world_size: int = 2,
+    prefill: bool = False,
 ) -> None:
     config, tol = CONFIGS[dtype]
     ep_group = HostLink(world_size, bandwidth_gbps=20.0) if link else None
     if link:
         ep_group.prepare("cuda")
-    _check_mode(build_model(ModelConfig(**config), device="cuda", ep_group=ep_group), tol, mode_name, graph_mode)
+    model = build_model(ModelConfig(**config), device="cuda", ep_group=ep_group)
+    _check_mode(model, tol, mode_name, graph_mode, prefill=prefill)
+
+
+PROMPT = 8  # tokens of every prompt of a uniform prefill step
+
+
+def _uniform_prefill_shapes(rng):
+    """Four, three (padded to four) and four prompts of ``PROMPT`` tokens over random contexts."""
+    return [([PROMPT] * n, [rng.randint(0, BLOCK * MAX_BLOCKS - PROMPT) for _ in range(n)]) for n in (4, 3, 4)]
 
 
 def _replayable_sizes(shapes, graph_mode: CUDAGraphMode) -> list[int]:
@@ -179,18 +205,24 @@ def _replayable_sizes(shapes, graph_mode: CUDAGraphMode) -> list[int]:
     return sorted({sum(query_lens) + 1 for query_lens, _ in shapes})
 
 
-def _check_mode(model, tol: dict, mode_name: str, graph_mode: CUDAGraphMode) -> None:
-    """``mode_name`` eager and replayed from ``graph_mode`` graphs equals the unsplit eager step."""
+def _check_mode(model, tol: dict, mode_name: str, graph_mode: CUDAGraphMode, prefill: bool = False) -> None:
+    """``mode_name`` eager and replayed from ``graph_mode`` graphs equals the unsplit eager step
+    (``prefill``: steps of uniform prompts, FULL graphs of four)."""
     mode = OverlapMode.parse(mode_name)
     _, cache = make_step(model, [1] * 64, [BLOCK * MAX_BLOCKS - 1] * 64, block_size=BLOCK)
     rng = random.Random(mode_name)
-    shapes = (_decode_shapes if graph_mode == CUDAGraphMode.FULL else _mixed_shapes)(rng)
+    if prefill:
+        shapes, sizes, uniform = _uniform_prefill_shapes(rng), [4 * PROMPT], PROMPT
+    else:
+        shapes = (_decode_shapes if graph_mode == CUDAGraphMode.FULL else _mixed_shapes)(rng)
+        sizes, uniform = _replayable_sizes(shapes, graph_mode), 1
     apply_mode(model, mode)
     graphed = GraphedModel(
         model,
         max_blocks_per_req=MAX_BLOCKS,
-        capture_sizes=_replayable_sizes(shapes, graph_mode),
+        capture_sizes=sizes,
         ubatch_counts=(mode.num_ubatches,),
+        uniform_token_count=uniform,
         modes=(graph_mode,),
         single_batch_overlap=mode.num_ubatches == 1,
     )
@@ -201,8 +233,8 @@ def _check_mode(model, tol: dict, mode_name: str, graph_mode: CUDAGraphMode) -> 
             step, _ = make_step(model, query_lens, context_lens, block_size=BLOCK, cache=cache, seed=trial)
             md = step.attn_metadata[model.layer_names[0]]
             apply_mode(model, mode)
-            uniform = 1 if graph_mode == CUDAGraphMode.FULL else None
-            assert graphed.plan(md.num_actual_tokens, md.num_reqs, uniform, num_ubatches=mode.num_ubatches)
+            planned = uniform if graph_mode == CUDAGraphMode.FULL else None
+            assert graphed.plan(md.num_actual_tokens, md.num_reqs, planned, num_ubatches=mode.num_ubatches)
             replayed = graphed.run(step.input_ids, step.positions, md, num_ubatches=mode.num_ubatches).clone()
             eager = _forward(wrapper, model, step, split_batch(query_lens, mode.num_ubatches)).clone()
             apply_mode(model, OverlapMode())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ubatch.bench.generation import DRAFTERS, format_generation_table
+from ubatch.bench.graphs import PREFILL_GRAPHS, graph_mode_for
 from ubatch.bench.launch import run_on_local_ranks, under_torchrun
 from ubatch.bench.options import (
     MeasuredCapacityArg,
@@ -42,6 +43,7 @@ from ubatch.bench.report import (
 )
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE
 from ubatch.bench.sweep import attention_backend, run, run_device
+from ubatch.context import CUDAGraphMode
 from ubatch.link import parse_link
 from ubatch.models import PRESETS, ModelConfig
 from ubatch.overlap import parse_modes
@@ -123,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--graphs",
         action="store_true",
         help="time steps replayed from CUDA graphs (FULL for decode, PIECEWISE otherwise); needs CUDA",
+    )
+    p.add_argument(
+        "--prefill-graphs",
+        choices=PREFILL_GRAPHS,
+        default="piecewise",
+        help="with --graphs --workload prefill: the graphs prefill steps replay from; full captures the "
+        "whole step (its prompts all of --prompt-len tokens, so every --tokens a multiple of it): no "
+        "collective or attention call is launched from the host between its kernels (default: piecewise)",
     )
     p.add_argument(
         "--sm-partition",
@@ -216,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     generate = args.workload == "generate"
     _fill_defaults(args, generate)
     world = _check_ranks(p, args, generate)
+    _check_graph_modes(p, args)
     if generate and (args.policy != "fixed" or args.sm_partition != "none"):
         p.error("--policy and --sm-partition apply to single steps, not to --workload generate")
     if args.model != "moe" and (args.num_experts or args.capacity_factor):
@@ -288,13 +299,26 @@ def _check_ranks(p: argparse.ArgumentParser, args: argparse.Namespace, generate:
         p.error("--modes applies to single steps, not to --workload generate")
     if isinstance(args.capacity_factor, MeasuredCapacityArg) and not args.modes:
         p.error(f"--capacity-factor {args.capacity_factor} is measured over the modes of a --modes run; give --modes")
-    joined = [m.name for m in args.modes or () if m.join_experts]
-    if joined and args.graphs and args.workload != "decode":
-        p.error(
-            f"--modes {','.join(joined)}: joined experts run eagerly or from FULL graphs (decode), "
-            f"not from the PIECEWISE graphs of --workload {args.workload}"
-        )
     return world
+
+
+def _check_graph_modes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """FULL prefill graphs need prompts of one length; joined experts need FULL graphs."""
+    full_prefill = args.prefill_graphs == "full"
+    if full_prefill and not (args.graphs and args.workload == "prefill"):
+        p.error("--prefill-graphs full applies to --graphs --workload prefill")
+    uneven = [t for t in args.tokens if full_prefill and t % args.prompt_len]
+    if uneven:
+        p.error(
+            f"--prefill-graphs full replays prompts of one length: --tokens {','.join(map(str, uneven))} "
+            f"is not a multiple of --prompt-len {args.prompt_len}"
+        )
+    joined = [m.name for m in args.modes or () if m.join_experts]
+    if joined and args.graphs and graph_mode_for(args.workload, args.prefill_graphs) == CUDAGraphMode.PIECEWISE:
+        p.error(
+            f"--modes {','.join(joined)}: joined experts run eagerly or from FULL graphs (decode, or "
+            f"--prefill-graphs full), not from the PIECEWISE graphs of --workload {args.workload}"
+        )
 
 
 def _check_model(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:

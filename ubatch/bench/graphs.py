@@ -3,7 +3,8 @@
 Eager decode is bound by the host launching kernels, so what decides whether a split pays is the
 step replayed from graphs. Per configuration (T tokens per rank, N ubatches) a ``GraphedModel``
 captures T tokens unsplit and in N ubatches: FULL graphs for decode (uniform, one token per
-request), PIECEWISE for prefill and mixed steps. Then, for one step:
+request), PIECEWISE for prefill and mixed steps; FULL for prefill too where asked
+(``graph_mode_for``), when every prompt of the step has the same length. Then, for one step:
 
 - ``baseline_ms`` and ``ubatched_ms``: replays of the unsplit and of the N-ubatch graph, timed in
   shared rounds (medians, with the spread beside them, as in ``ubatch.bench.measure``);
@@ -40,6 +41,26 @@ from ubatch.context import CUDAGraphMode
 from ubatch.graphed import GraphedModel, uniform_token_count
 
 GRAPH_MODES = {"decode": CUDAGraphMode.FULL, "prefill": CUDAGraphMode.PIECEWISE, "mixed": CUDAGraphMode.PIECEWISE}
+PREFILL_GRAPHS = ("piecewise", "full")
+
+
+def graph_mode_for(workload: str, prefill_graphs: str = "piecewise") -> CUDAGraphMode:
+    """The graphs a workload's steps replay from: ``GRAPH_MODES``, or FULL for prefill with
+    ``prefill_graphs="full"``. A FULL graph of prompts of one length holds no host-side lengths
+    (the attention gathers the block table's width, see ``ubatch.attention.varlen``), so it stays
+    right for any prompts of that length and context; no eager island runs between its kernels,
+    where a PIECEWISE replay launches every collective and attention call from the host."""
+    if prefill_graphs not in PREFILL_GRAPHS:
+        raise ValueError(f"prefill_graphs must be one of {', '.join(PREFILL_GRAPHS)}, got {prefill_graphs!r}")
+    if workload == "prefill" and prefill_graphs == "full":
+        return CUDAGraphMode.FULL
+    return GRAPH_MODES[workload]
+
+
+def step_uniform_tokens(model: Any, step: Step) -> int:
+    """Tokens per request of a step whose requests all have as many (what its FULL graphs are
+    captured for: 1 in decode); 1 otherwise, where only PIECEWISE graphs apply."""
+    return uniform_token_count(step.attn_metadata[model.layer_names[0]]) or 1
 
 
 def measure_graphs(
@@ -61,7 +82,7 @@ def measure_graphs(
         capture_sizes=[step.num_tokens],
         max_blocks_per_req=_blocks_per_request(model, step),
         ubatch_counts=(1, num_ubatches),
-        uniform_token_count=1,
+        uniform_token_count=step_uniform_tokens(model, step),
         modes=(mode,),
         sm_partition=sm_partition,
     )

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ubatch.bench.ceiling import ceiling_fields
-from ubatch.bench.graphs import GRAPH_MODES, replay_call
+from ubatch.bench.graphs import graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
@@ -152,7 +152,7 @@ class GraphedMode:
             capture_sizes=[step.num_tokens],
             max_blocks_per_req=blocks,
             ubatch_counts=(mode.num_ubatches,),
-            uniform_token_count=1,
+            uniform_token_count=step_uniform_tokens(model, step),
             modes=(graph_mode,),
             sm_partition=sm_partition,
             single_batch_overlap=mode.runs_as_ubatches,
@@ -579,7 +579,7 @@ def modes_report(
     unsplit step's roofline (``ubatch.bench.roofline``), and the policy's pick per size."""
     modes = supported(model, args.modes)
     skipped = [m.name for m in args.modes if m not in modes]
-    graph_mode = GRAPH_MODES[args.workload] if args.graphs else None
+    graph_mode = graph_mode_for(args.workload, args.prefill_graphs) if args.graphs else None
     ep_world, tp_world = shard_worlds(model)
     ceilings = device_ceilings(model.device)
     by_name = {mode.name: mode for mode in modes}

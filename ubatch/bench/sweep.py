@@ -21,7 +21,7 @@ from ubatch.bench.auto import auto_policy_report
 from ubatch.bench.capacity import dropped_fractions, set_measured_capacity
 from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.generation import GenerationShape, capture_sizes_for, generation_sweep
-from ubatch.bench.graphs import GRAPH_MODES, measure_graphs
+from ubatch.bench.graphs import graph_mode_for, measure_graphs
 from ubatch.bench.measure import Measurement, keep_freed_cpu_memory, measure
 from ubatch.bench.modes import modes_report
 from ubatch.bench.options import MeasuredCapacityArg, model_overrides
@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     model,
                     step,
                     n,
-                    mode=GRAPH_MODES[args.workload],
+                    mode=graph_mode_for(args.workload, args.prefill_graphs),
                     warmup=args.warmup,
                     repeats=args.repeats,
                     sm_partition=partition,
