@@ -23,7 +23,7 @@ class Handle:
 
 def test_on_cpu_each_stage_waits_for_its_collectives_then_runs_in_turn():
     log = []
-    lanes = GemmLanes(torch.device("cpu"), 2)
+    lanes = GemmLanes(torch.device("cpu"), 2, rows_per_expert=64)
     for stage in range(2):
         with lanes.stage(stage, [Handle(log), None]):
             log.append(("run", stage))
@@ -74,7 +74,7 @@ def test_a_lane_waits_for_the_current_stream_as_the_even_stage_before_it_opened(
         def wait(self, stream=None):
             log.append(((stream or main).name, "wait", f"dispatch {self.stage}"))
 
-    lanes = GemmLanes(torch.device("cuda"), 4)
+    lanes = GemmLanes(torch.device("cuda"), 4, rows_per_expert=64)
     for stage in range(4):
         with lanes.stage(stage, [Collective(stage)]):
             log.append((current[-1].name, "gemms", stage))
@@ -99,6 +99,44 @@ def test_a_lane_waits_for_the_current_stream_as_the_even_stage_before_it_opened(
         ("main", "wait", "side"),
         ("main", "sums", 3),
     ]
+
+
+def test_stages_of_many_rows_per_expert_run_in_turn(monkeypatch):
+    """Long GEMMs beside each other only stretch the even stage, whose combine then starts later."""
+    log = []
+    main, side = FakeStream("main", log), FakeStream("side", log)
+    monkeypatch.setattr(gemm_lanes.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(gemm_lanes, "beside_stream", lambda stream: side)
+    lanes = GemmLanes(torch.device("cuda"), 2, rows_per_expert=gemm_lanes.MAX_ROWS_PER_EXPERT + 1)
+    for stage in range(2):
+        with lanes.stage(stage, [Handle(log)]):
+            log.append(("run", stage))
+    assert log == [("wait", {}), ("run", 0), ("wait", {}), ("run", 1)]
+
+
+@pytest.mark.parametrize("chunks, runs", [(2, 1), (4, 1), (1, 2), (1, 4)])
+def test_the_moe_layer_gives_the_lanes_its_rows_per_expert(monkeypatch, chunks, runs):
+    """Received rows (padding included) per local expert, per token run: what one stage's GEMMs take."""
+    from ubatch.link import HostLink
+    from ubatch.models import moe
+
+    seen = []
+    original = GemmLanes.__init__
+
+    def recording(self, device, stages, *, rows_per_expert):
+        seen.append((stages, rows_per_expert))
+        original(self, device, stages, rows_per_expert=rows_per_expert)
+
+    monkeypatch.setattr(moe.GemmLanes, "__init__", recording)
+    config = ModelConfig(num_experts=8, top_k=2, hidden_size=32, moe_intermediate_size=32, capacity_factor=2.0)
+    model = build_model(config, device="cpu", ep_group=HostLink(2))
+    layer = next(iter(model.moe_layers.values()))
+    layer.expert_chunks, layer.token_chunks = chunks, runs
+    with torch.inference_mode():
+        layer(torch.randn(64, 32))
+    (capacity,) = {sum(layer.capacity(64))}  # rows per destination over every chunk
+    received = 2 * capacity if runs == 1 else 2 * runs * -(-layer.capacity(64)[0] // runs)
+    assert seen == [(chunks * runs, received / runs / 4)]
 
 
 def _moe_layer(dtype: torch.dtype, chunks: int):
@@ -127,8 +165,8 @@ def test_odd_expert_groups_compute_beside_the_even_ones(monkeypatch, chunks):
         monkeypatch.setattr(expert_compute, "group_outputs", original)
         in_turn = GemmLanes.__init__
 
-        def one_lane(self, device, stages):
-            in_turn(self, device, 1)
+        def one_lane(self, device, stages, **kwargs):
+            in_turn(self, device, 1, **kwargs)
 
         monkeypatch.setattr(GemmLanes, "__init__", one_lane)
         expected = layer(x)
