@@ -23,7 +23,7 @@ class Handle:
 
 def test_on_cpu_each_stage_waits_for_its_collectives_then_runs_in_turn():
     log = []
-    lanes = GemmLanes(torch.device("cpu"), 2, rows_per_expert=64)
+    lanes = GemmLanes(torch.device("cpu"), 2, rows=64)
     for stage in range(2):
         with lanes.stage(stage, [Handle(log), None]):
             log.append(("run", stage))
@@ -74,7 +74,7 @@ def test_a_lane_waits_for_the_current_stream_as_the_even_stage_before_it_opened(
         def wait(self, stream=None):
             log.append(((stream or main).name, "wait", f"dispatch {self.stage}"))
 
-    lanes = GemmLanes(torch.device("cuda"), 4, rows_per_expert=64)
+    lanes = GemmLanes(torch.device("cuda"), 4, rows=64)
     for stage in range(4):
         with lanes.stage(stage, [Collective(stage)]):
             log.append((current[-1].name, "gemms", stage))
@@ -101,13 +101,13 @@ def test_a_lane_waits_for_the_current_stream_as_the_even_stage_before_it_opened(
     ]
 
 
-def test_stages_of_many_rows_per_expert_run_in_turn(monkeypatch):
+def test_stages_of_many_rows_run_in_turn(monkeypatch):
     """Long GEMMs beside each other only stretch the even stage, whose combine then starts later."""
     log = []
     main, side = FakeStream("main", log), FakeStream("side", log)
     monkeypatch.setattr(gemm_lanes.torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(gemm_lanes, "beside_stream", lambda stream: side)
-    lanes = GemmLanes(torch.device("cuda"), 2, rows_per_expert=gemm_lanes.MAX_ROWS_PER_EXPERT + 1)
+    lanes = GemmLanes(torch.device("cuda"), 2, rows=2 * gemm_lanes.MAX_STAGE_ROWS + 1)
     for stage in range(2):
         with lanes.stage(stage, [Handle(log)]):
             log.append(("run", stage))
@@ -115,17 +115,17 @@ def test_stages_of_many_rows_per_expert_run_in_turn(monkeypatch):
 
 
 @pytest.mark.parametrize("chunks, runs", [(2, 1), (4, 1), (1, 2), (1, 4)])
-def test_the_moe_layer_gives_the_lanes_its_rows_per_expert(monkeypatch, chunks, runs):
-    """Received rows (padding included) per local expert, per token run: what one stage's GEMMs take."""
+def test_the_moe_layer_gives_the_lanes_its_received_rows(monkeypatch, chunks, runs):
+    """Every received row (padding included): what the stages' GEMMs take together."""
     from ubatch.link import HostLink
     from ubatch.models import moe
 
     seen = []
     original = GemmLanes.__init__
 
-    def recording(self, device, stages, *, rows_per_expert):
-        seen.append((stages, rows_per_expert))
-        original(self, device, stages, rows_per_expert=rows_per_expert)
+    def recording(self, device, stages, *, rows):
+        seen.append((stages, rows))
+        original(self, device, stages, rows=rows)
 
     monkeypatch.setattr(moe.GemmLanes, "__init__", recording)
     config = ModelConfig(num_experts=8, top_k=2, hidden_size=32, moe_intermediate_size=32, capacity_factor=2.0)
@@ -136,7 +136,7 @@ def test_the_moe_layer_gives_the_lanes_its_rows_per_expert(monkeypatch, chunks, 
         layer(torch.randn(64, 32))
     (capacity,) = {sum(layer.capacity(64))}  # rows per destination over every chunk
     received = 2 * capacity if runs == 1 else 2 * runs * -(-layer.capacity(64)[0] // runs)
-    assert seen == [(chunks * runs, received / runs / 4)]
+    assert seen == [(chunks * runs, received)]
 
 
 def _moe_layer(dtype: torch.dtype, chunks: int):

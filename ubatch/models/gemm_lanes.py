@@ -7,12 +7,12 @@ partly filled last waves. Two groups of four experts in turn took 1.08-1.10x one
 at 1024-2048 decode tokens, beside each other 0.96-1.00x (one H100, four layers replayed from a
 graph: ``scripts/bench_expert_groups.py``).
 
-Only for short GEMMs: a stage of more than ``MAX_ROWS_PER_EXPERT`` rows per expert fills the SMs
-for many waves, and beside the next stage it only runs longer, so its combine starts later. In
-moe-bench prefill at 4096 tokens as one rank of eight (about 5000 rows a token run for the one
-expert), two runs beside each other took the split step from 25.9 to 29.3 ms (one H100, FULL
-graphs); in decode, at up to 512 rows an expert, they gain (above). Between the two nothing is
-measured, so the bound sits at twice the largest stage measured to gain.
+Only for short stages: a stage of more than ``MAX_STAGE_ROWS`` rows (padding included, over all
+its experts) fills the SMs for many waves, and beside the next stage it only runs longer, so its
+combine starts later. In prefill at 4096 tokens, token runs of about 5000 rows (moe-bench as one
+rank of eight) beside each other took the split step from 25.9 to 29.3 ms (one H100, FULL graphs),
+and runs of about 9000 (deepseek-bench as one rank of four) 25.7 to 26.8 ms; in decode, at up to
+about 2000 rows a stage, they gain (above).
 
 Only what a stage computes from its received rows runs on the second lane; what it writes into
 shared outputs (sums over groups, combines) stays on the current stream, in stage order, after
@@ -37,16 +37,16 @@ import torch
 from ubatch import islands
 from ubatch.streams import beside_stream
 
-MAX_ROWS_PER_EXPERT = 1024  # a stage's rows (padding included) per expert, above which stages run in turn
+MAX_STAGE_ROWS = 4096  # a stage's rows (padding included), above which stages run in turn
 
 
 class GemmLanes:
     """Opened where a chain of ``stages`` starts (``stage`` each in turn, index 0 first), whose
-    GEMMs take ``rows_per_expert`` rows per expert (padding included)."""
+    GEMMs take ``rows`` rows in all (padding included)."""
 
-    def __init__(self, device: torch.device, stages: int, *, rows_per_expert: float) -> None:
+    def __init__(self, device: torch.device, stages: int, *, rows: int) -> None:
         self._side: torch.cuda.Stream | None = None
-        short = rows_per_expert <= MAX_ROWS_PER_EXPERT
+        short = rows <= MAX_STAGE_ROWS * stages
         if stages > 1 and short and device.type == "cuda" and not islands.recording_active():
             self._main = torch.cuda.current_stream(device)
             self._side = beside_stream(self._main)

@@ -488,8 +488,7 @@ class MoEFFN(nn.Module):
                 part.comb_source = torch.full((part.comb_chunks[-1].stop + 1,), -1, device=part.recv.device)
         combines: list[list[comm.CollectiveHandle | None]] = [[] for _ in parts]
         num_tokens = sum(part.num_tokens for part in parts)
-        rows = sum(len(part.recv) for part in parts)
-        lanes = GemmLanes(parts[0].recv.device, chunks, rows_per_expert=rows / self.num_local_experts)
+        lanes = GemmLanes(parts[0].recv.device, chunks, rows=sum(len(part.recv) for part in parts))
         for g in range(chunks):
             if self.local_first and self.ep_world > 1:
                 self._local_first_group(parts, g, num_tokens)
@@ -517,8 +516,7 @@ class MoEFFN(nn.Module):
         one_rank = self.ep_world == 1
         part.out = part.back if one_rank else part.recv.new_empty(len(part.recv), self.w2.shape[1])
         handles = []
-        runs = len(part.recv_chunks)
-        lanes = GemmLanes(part.recv.device, runs, rows_per_expert=len(part.recv) / runs / self.num_local_experts)
+        lanes = GemmLanes(part.recv.device, len(part.recv_chunks), rows=len(part.recv))
         for c, rows in enumerate(part.recv_chunks):
             if self.local_first and not one_rank:
                 own = part.own_received[c]
