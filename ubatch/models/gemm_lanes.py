@@ -9,10 +9,10 @@ graph: ``scripts/bench_expert_groups.py``).
 
 Only for short stages: a stage of more than ``MAX_STAGE_ROWS`` rows (padding included, over all
 its experts) fills the SMs for many waves, and beside the next stage it only runs longer, so its
-combine starts later. In prefill at 4096 tokens, token runs of about 5000 rows (moe-bench as one
-rank of eight) beside each other took the split step from 25.9 to 29.3 ms (one H100, FULL graphs),
-and runs of about 9000 (deepseek-bench as one rank of four) 25.7 to 26.8 ms; in decode, at up to
-about 2000 rows a stage, they gain (above).
+combine starts later. In moe-bench prefill at 4096 tokens as one rank of eight, `split2+tokens2`
+(token runs of about 2700 rows a ubatch) took 29.3 ms on two lanes against 25.9 in turn (same H100,
+FULL graphs), 29.1 on two lanes on another machine and 25.8 in turn on a third; in decode, at up
+to about 1000 rows a stage, two lanes gain (above).
 
 Only what a stage computes from its received rows runs on the second lane; what it writes into
 shared outputs (sums over groups, combines) stays on the current stream, in stage order, after
@@ -37,7 +37,7 @@ import torch
 from ubatch import islands
 from ubatch.streams import beside_stream
 
-MAX_STAGE_ROWS = 4096  # a stage's rows (padding included), above which stages run in turn
+MAX_STAGE_ROWS = 2048  # a stage's rows (padding included), above which stages run in turn
 
 
 class GemmLanes:
