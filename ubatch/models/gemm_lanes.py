@@ -12,7 +12,8 @@ its experts) fills the SMs for many waves, and beside the next stage it only run
 combine starts later. In moe-bench prefill at 4096 tokens as one rank of eight, `split2+tokens2`
 (token runs of about 2700 rows a ubatch) took 29.3 ms on two lanes against 25.9 in turn (same H100,
 FULL graphs), 29.1 on two lanes on another machine and 25.8 in turn on a third; in decode, at up
-to about 1000 rows a stage, two lanes gain (above).
+to about 1000 rows a stage, two lanes gain (above). Between the two the bound is coarse: prefill
+runs of about 1800 rows lost on two lanes, of about 1350 gained (neither beat two runs in turn).
 
 Only what a stage computes from its received rows runs on the second lane; what it writes into
 shared outputs (sums over groups, combines) stays on the current stream, in stage order, after
