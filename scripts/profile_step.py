@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from ubatch.bench.graphs import GRAPH_MODES, replay_call
+from ubatch.bench.graphs import PREFILL_GRAPHS, graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.measure import EagerRuns, drain, median_ms
 from ubatch.bench.workload import make_step
 from ubatch.graphed import GraphedModel
@@ -125,13 +125,14 @@ def _step_calls(model: Any, step: Any, counts: list[int], partition: SMPartition
             runs = EagerRuns(model, step, max(n, 2), sm_partition=partition)
             yield n, runs.baseline if n == 1 else runs.ubatched
         return
-    mode = GRAPH_MODES[args.workload]
+    mode = graph_mode_for(args.workload, args.prefill_graphs)
     blocks = step.attn_metadata[model.layer_names[0]].block_table.shape[1]
     graphed = GraphedModel(
         model,
         capture_sizes=[step.num_tokens],
         max_blocks_per_req=blocks,
         ubatch_counts=sorted(set(counts) | {1}),
+        uniform_token_count=step_uniform_tokens(model, step),
         modes=(mode,),
         sm_partition=partition,
     )
@@ -147,6 +148,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
     p.add_argument("--graphs", action="store_true", help="profile CUDA graph replays (FULL decode, PIECEWISE prefill)")
+    p.add_argument(
+        "--prefill-graphs", choices=PREFILL_GRAPHS, default="piecewise", help="prefill's graphs, as ubatch-bench's"
+    )
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--context-len", type=int, default=512)
