@@ -9,7 +9,7 @@ graph: ``scripts/bench_expert_groups.py``).
 
 Only for short stages: a stage of more than ``MAX_STAGE_ROWS`` rows (padding included, over all
 its experts) fills the SMs for many waves, and beside the next stage it only runs longer, so its
-combine starts later. In moe-bench prefill at 4096 tokens as one rank of eight, `split2+tokens2`
+combine starts later. In moe-bench prefill at 4096 tokens as one rank of eight, ``split2+tokens2``
 (token runs of about 2700 rows a ubatch) took 29.3 ms on two lanes against 25.9 in turn (same H100,
 FULL graphs), 29.1 on two lanes on another machine and 25.8 in turn on a third; in decode, at up
 to about 1000 rows a stage, two lanes gain (above). Between the two the bound is coarse: prefill
