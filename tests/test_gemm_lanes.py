@@ -134,8 +134,8 @@ def test_the_moe_layer_gives_the_lanes_its_received_rows(monkeypatch, chunks, ru
     layer.expert_chunks, layer.token_chunks = chunks, runs
     with torch.inference_mode():
         layer(torch.randn(64, 32))
-    (capacity,) = {sum(layer.capacity(64))}  # rows per destination over every chunk
-    received = 2 * capacity if runs == 1 else 2 * runs * -(-layer.capacity(64)[0] // runs)
+    per_destination = layer.capacity(64)  # rows each rank sends each destination, per chunk
+    received = 2 * (sum(per_destination) if runs == 1 else runs * -(-per_destination[0] // runs))
     assert seen == [(chunks * runs, received)]
 
 
