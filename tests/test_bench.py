@@ -486,6 +486,18 @@ def test_each_mode_gets_the_schedule_model_that_describes_it_or_none(name, expec
     assert got == (None if expected is None else pytest.approx(expected(c, m)))
 
 
+def test_expert_groups_in_the_model_send_their_own_share_of_the_rows():
+    """One layer, no attention, C = M = 1 (each group's GEMMs 0.5, a whole dispatch 0.5): with
+    equal chunks the first dispatch (0.25) is exposed and the last combine (0.25) too, 1.5 in
+    all; with 3/4 of the rows in the first chunk both exposed pieces grow to 0.375: 1.75."""
+    assert joined_step_ms(1, 2, 1, 1.0, 1.0, 0.0) == pytest.approx(1.5)
+    assert joined_step_ms(1, 2, 1, 1.0, 1.0, 0.0, chunk_shares=[0.5, 0.5]) == pytest.approx(1.5)
+    assert joined_step_ms(1, 2, 1, 1.0, 1.0, 0.0, chunk_shares=[0.75, 0.25]) == pytest.approx(1.75)
+    for bad in ([1.0], [0.6, 0.6], [1.2, -0.2]):
+        with pytest.raises(ValueError, match="chunk_shares must be 2"):
+            joined_step_ms(1, 2, 1, 1.0, 1.0, 0.0, chunk_shares=bad)
+
+
 def test_attention_backend_is_chosen_up_front_and_reported(tmp_path):
     out = tmp_path / "report.json"
     main(["--quick", "--attention", "torch", "--tokens", "32", "--out", str(out)])

@@ -13,6 +13,7 @@ from ubatch.bench.kernels import Kernel, attention_share, kernel_costs, kernels_
 from ubatch.bench.modes import (
     Timing,
     auto_point,
+    chunk_shares,
     close_calls,
     mode_partition,
     mode_rows,
@@ -28,7 +29,8 @@ from ubatch.bench.schedule import mode_step_ms
 from ubatch.bench.workload import make_step
 from ubatch.link import HostLink
 from ubatch.models import ModelConfig, build_model
-from ubatch.overlap import OverlapMode, parse_modes, supported
+from ubatch.models.dispatch import balanced_chunk_rows
+from ubatch.overlap import OverlapMode, apply_mode, parse_modes, supported
 from ubatch.policy import ModePolicy
 
 
@@ -500,7 +502,12 @@ def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsp
     for row in rows.values():
         c, m = row["compute_ms"], row["comm_ms"]
         assert row["payload_ratio"] == 1.0, "no capacity factor: the counted dispatch sends the real rows"
-        model_ms = mode_step_ms(OverlapMode.parse(row["mode"]), layers=2, compute_ms=c, comm_ms=m, ep_world=4)
+        mode = OverlapMode.parse(row["mode"])
+        shares = None
+        if mode.expert_chunks > 1:  # a uniform router's rows per group: the counted dispatch's
+            rows = balanced_chunk_rows(32, 8, 2, 4, mode.expert_chunks)
+            shares = [r / sum(rows) for r in rows]
+        model_ms = mode_step_ms(mode, layers=2, compute_ms=c, comm_ms=m, ep_world=4, chunk_shares=shares)
         assert row["schedule_model_ms"] == pytest.approx(model_ms, abs=1e-3)
         model_speedup, ideal = (c + m) / model_ms, (c + m) / max(c, m)
         assert row["schedule_model_efficiency"] == pytest.approx((model_speedup - 1) / (ideal - 1), abs=1e-3)
@@ -534,6 +541,30 @@ def test_the_schedule_model_sends_each_modes_own_padding():
     )
     plain = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=4)
     assert fields["payload_ratio"] == 1.25 and fields["schedule_model_efficiency"] < plain["schedule_model_efficiency"]
+
+
+def test_the_schedule_model_sends_each_expert_groups_own_rows():
+    """A row travels in the chunk of its earliest expert group on the rank, so with fine-grained
+    experts the first chunk carries the most rows: the model takes each group's share of the
+    first ubatch's capacity per chunk, and none for modes without expert groups."""
+    config = ModelConfig.preset("tiny-deepseek", capacity_factor=1.5)
+    model = build_model(config, device="cpu", ep_group=HostLink(2))
+    step, _ = make_step(model, [16] * 4)
+    layer = next(iter(model.moe_layers.values()))
+    for name, tokens in [("pipeline4", 64), ("split2+join+pipeline2", 32)]:
+        mode = OverlapMode.parse(name)
+        shares = chunk_shares(model, step, mode)
+        apply_mode(model, mode)
+        caps = layer.capacity(tokens)
+        apply_mode(model, OverlapMode())
+        assert shares == pytest.approx([c / sum(caps) for c in caps])
+        assert shares[0] > shares[-1], "a token's earliest group carries it"
+    assert chunk_shares(model, step, OverlapMode.parse("split2")) is None
+    assert layer.expert_chunks == 1, "the model's mode is put back"
+    mode = OverlapMode.parse("pipeline4")
+    even = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=2)
+    uneven = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=2, chunk_shares=[0.4, 0.3, 0.2, 0.1])
+    assert uneven["schedule_model_ms"] > even["schedule_model_ms"], "the first dispatch and last combine are exposed"
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, mode_s
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode, set_forward_context
 from ubatch.graphed import GraphedModel
+from ubatch.models.dispatch import balanced_chunk_rows
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
 from ubatch.policy import ModePolicy
 from ubatch.sm import SMPartition
@@ -486,6 +487,29 @@ def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
     return rows(mode) / rows(OverlapMode())
 
 
+def chunk_shares(model: Any, step: Step, mode: OverlapMode) -> list[float] | None:
+    """Each expert group's share of the rows ``mode``'s first ubatch dispatches (``MoEFFN.capacity``
+    per chunk; without a capacity factor, what a uniform router sends), for the schedule model;
+    None where the mode has no expert groups or the model no MoE layer."""
+    layer = next(iter(moe_layers(model)), None)
+    if layer is None or mode.expert_chunks == 1:
+        return None
+    first = step.slices(mode.num_ubatches)[0].token_slice
+    num_tokens = first.stop - first.start
+    apply_mode(model, mode)
+    try:
+        if layer.capacity_factor is None:
+            rows = balanced_chunk_rows(
+                num_tokens, layer.num_local_experts * layer.ep_world, layer.top_k, layer.ep_world, mode.expert_chunks
+            )
+        else:
+            rows = layer.capacity(num_tokens)
+    finally:
+        apply_mode(model, OverlapMode())
+    total = sum(rows)
+    return [r / total for r in rows] if total > 0 else None
+
+
 def model_fields(
     mode: OverlapMode, *, compute_ms: float, comm_ms: float, payload_ratio: float = 1.0, **model: Any
 ) -> dict[str, Any]:
@@ -622,6 +646,7 @@ def modes_report(
                         compute_ms=sweep["compute_ms"],
                         comm_ms=sweep["comm_ms"],
                         payload_ratio=payload_ratio(model, step, by_name[row["mode"]]),
+                        chunk_shares=chunk_shares(model, step, by_name[row["mode"]]),
                         attention_share=model_attention_share(args.attention_share, sweep["attention_share"]),
                         ep_world=ep_world,
                     ),

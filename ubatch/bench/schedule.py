@@ -19,6 +19,8 @@ as they did), so a row's gap to its ideal splits into schedule, stretch and the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ubatch.overlap import OverlapMode
 
 DEFAULT_ATTENTION_SHARE = 0.2  # share of compute before a layer's first collective (assumed, not measured)
@@ -89,6 +91,7 @@ def joined_step_ms(
     ubatch_cost_ms: float = 0.0,
     comm_stretch: float = 1.0,
     shares: list[float] | None = None,
+    chunk_shares: Sequence[float] | None = None,
 ) -> float:
     """Makespan of one step with joined expert stages (``splitN+join+pipelineK``; N = 1 is plain
     expert pipelining, K = 1 one expert stage) under the same model: each ubatch's attention and
@@ -98,15 +101,22 @@ def joined_step_ms(
     each ubatch's attention also costs ``ubatch_cost_ms`` per layer (its own launches of every
     small kernel). Where the step's transfers are cut (more than one ubatch or group), each takes
     ``comm_stretch`` times its share of ``comm_ms``: a transfer in pieces pays each piece's
-    latency. ``shares``: each ubatch's share of the tokens (default: equal)."""
+    latency. ``shares``: each ubatch's share of the tokens (default: equal). ``chunk_shares``: each
+    group's share of the dispatched rows (default: equal). A row travels in the chunk of its
+    earliest group on the rank and returns in that of its latest, so with fine-grained experts the
+    first dispatch and the last combine are the largest (``MoEFFN.capacity``: the combine's chunks
+    take the dispatch's sizes in reverse), and both are exposed."""
     shares = [1 / num_ubatches] * num_ubatches if shares is None else shares
     if len(shares) != num_ubatches or abs(sum(shares) - 1) > 1e-9 or min(shares) <= 0:
         raise ValueError(f"shares must be {num_ubatches} positive numbers summing to 1, got {shares}")
+    chunk_shares = [1 / expert_chunks] * expert_chunks if chunk_shares is None else list(chunk_shares)
+    if len(chunk_shares) != expert_chunks or abs(sum(chunk_shares) - 1) > 1e-9 or min(chunk_shares) < 0:
+        raise ValueError(f"chunk_shares must be {expert_chunks} non-negative numbers summing to 1, got {chunk_shares}")
     attention = compute_ms * attention_share / layers
     experts = compute_ms * (1 - attention_share) / layers / expert_chunks
     experts += group_cost_ms if expert_chunks > 1 else 0.0
     stretch = comm_stretch if num_ubatches > 1 or expert_chunks > 1 else 1.0
-    collective = stretch * comm_ms / 2 / layers / expert_chunks  # one group's rows of the whole step
+    collective = stretch * comm_ms / 2 / layers  # one dispatch (or combine) of the whole step
     compute_free = comm_free = 0.0
     ready = [0.0] * num_ubatches  # when each ubatch's last combine delivered its rows
     for _ in range(layers):
@@ -115,12 +125,12 @@ def joined_step_ms(
             compute_free = max(compute_free, ready[u]) + attention * share
             compute_free += ubatch_cost_ms if num_ubatches > 1 else 0.0
             for g in range(expert_chunks):
-                comm_free = max(comm_free, compute_free) + collective * share
+                comm_free = max(comm_free, compute_free) + collective * share * chunk_shares[g]
                 arrived[g] = comm_free
         for g in range(expert_chunks):
             compute_free = max(compute_free, arrived[g]) + experts
             for u, share in enumerate(shares):
-                comm_free = max(comm_free, compute_free) + collective * share
+                comm_free = max(comm_free, compute_free) + collective * share * chunk_shares[-1 - g]
                 ready[u] = comm_free
     return max(compute_free, *ready)
 
@@ -154,10 +164,12 @@ def mode_step_ms(
     comm_ms: float,
     attention_share: float = DEFAULT_ATTENTION_SHARE,
     ep_world: int = 1,
+    chunk_shares: Sequence[float] | None = None,
 ) -> float | None:
     """The model's step time for ``mode`` from the unsplit step's C and M: splits, token chunks
     and own rows first through ``step_ms`` (own rows are 1/``ep_world`` of each stage's rows),
-    expert groups (joined or not split) through ``joined_step_ms``. None for what the model does
+    expert groups (joined or not split) through ``joined_step_ms`` (``chunk_shares``: each
+    group's share of the rows, default equal). None for what the model does
     not describe: single-batch overlap (what runs under its dispatch is model-specific), chunked
     all-reduces, expert groups of a split whose stages are not joined, and expert groups or joined
     stages with own rows first (the joined model has none; neither takes token chunks)."""
@@ -169,7 +181,15 @@ def mode_step_ms(
         split_not_joined = mode.num_ubatches > 1 and not mode.join_experts
         if split_not_joined or mode.local_first:
             return None
-        return joined_step_ms(mode.num_ubatches, mode.expert_chunks, layers, compute_ms, comm_ms, attention_share)
+        return joined_step_ms(
+            mode.num_ubatches,
+            mode.expert_chunks,
+            layers,
+            compute_ms,
+            comm_ms,
+            attention_share,
+            chunk_shares=chunk_shares,
+        )
     if mode.num_ubatches == 1 and mode.token_chunks == 1 and not mode.local_first:
         return None
     local_share = 1 / ep_world if mode.local_first else 0.0
