@@ -16,6 +16,10 @@ the groups and ``--group-cost-ms`` what each further group adds per layer. Examp
 scripts/schedule_bound.py --compute-ms 4.15 --comm-ms 3.53 --layers 4 --attention-share 0.51
 --join --expert-chunks 1,2,4``
 
+With ``--routing EXPERTS:TOP_K:WORLD`` each expert group's chunk carries what a uniform router
+sends it (a row travels with its earliest group on the rank and returns with its latest), not an
+equal share: e.g. ``--routing 64:8:8`` for deepseek-bench as one rank of eight.
+
 ``--token-chunks`` cuts each ubatch's expert stage into chunks of tokens (``tokensK``,
 ``splitN+tokensK``), one dispatch and combine each. Example (moe-bench's 4096-token prefill as one
 rank of eight, run 18): ``python scripts/schedule_bound.py --compute-ms 22.53 --comm-ms 20.63
@@ -36,6 +40,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, joined_step_ms, step_ms  # noqa: E402
+from ubatch.models.dispatch import balanced_chunk_rows  # noqa: E402
+
+
+def routing_shares(routing: str, chunks: int) -> list[float]:
+    """Each of ``chunks`` expert groups' share of the dispatched rows under a uniform router, for
+    ``routing`` = ``EXPERTS:TOP_K:WORLD``; ValueError naming the problem otherwise."""
+    try:
+        experts, top_k, world = (int(part) for part in routing.split(":"))
+    except ValueError:
+        raise ValueError(f"--routing {routing!r}: expected EXPERTS:TOP_K:WORLD, e.g. 64:8:8") from None
+    if not (experts >= 1 and 1 <= top_k <= experts and world >= 1 and experts % (world * chunks) == 0):
+        raise ValueError(
+            f"--routing {routing!r} with {chunks} expert groups: need 1 <= TOP_K <= EXPERTS and "
+            f"EXPERTS divisible by WORLD * groups"
+        )
+    rows = balanced_chunk_rows(1, experts, top_k, world, chunks)
+    return [r / sum(rows) for r in rows]
 
 
 def main() -> None:
@@ -67,6 +88,10 @@ def main() -> None:
     p.add_argument("--expert-chunks", default="1", help="with --join: expert groups, comma-separated")
     p.add_argument("--group-cost-ms", type=float, default=0.0, help="with --join: per layer, per further group")
     p.add_argument("--ubatch-cost-ms", type=float, default=0.0, help="with --join: per layer, per ubatch of a split")
+    p.add_argument(
+        "--routing",
+        help="with --join: EXPERTS:TOP_K:WORLD, each group's chunk a uniform router's rows (default: equal chunks)",
+    )
     args = p.parse_args()
     if not 0 <= args.attention_share < 1:
         p.error(f"--attention-share must be in [0, 1), got {args.attention_share}")
@@ -81,6 +106,7 @@ def main() -> None:
             "--expert-chunks": args.expert_chunks != "1",
             "--group-cost-ms": args.group_cost_ms != 0,
             "--ubatch-cost-ms": args.ubatch_cost_ms != 0,
+            "--routing": args.routing is not None,
         }
         given = [name for name, set_ in joined_only.items() if set_]
         if given:
@@ -112,6 +138,10 @@ def main() -> None:
                 report(label + (f", own rows first ({args.local_share:g})" if args.local_share else ""), t)
             continue
         for k in map(int, args.expert_chunks.split(",")):
+            try:
+                shares = None if args.routing is None else routing_shares(args.routing, k)
+            except ValueError as exc:
+                p.error(str(exc))
             t = joined_step_ms(
                 n,
                 k,
@@ -122,6 +152,7 @@ def main() -> None:
                 group_cost_ms=args.group_cost_ms,
                 ubatch_cost_ms=args.ubatch_cost_ms,
                 comm_stretch=args.comm_stretch,
+                chunk_shares=shares,
             )
             report(f"N={n} joined, K={k}", t)
 

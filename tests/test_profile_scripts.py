@@ -230,6 +230,29 @@ def test_joined_schedule_by_hand_and_its_costs():
         joined(2, 1, 1, 4.0, 2.0, 0.5, shares=[0.5, 0.6])
 
 
+def test_schedule_bound_routing_gives_each_group_a_uniform_routers_rows(monkeypatch, capsys):
+    """Top-8 of 64 as one rank of eight, two groups of four experts: a row travels in the first
+    group's chunk if any of its experts is there (1 - C(60,8)/C(64,8) of the tokens), in the
+    second's only if none is and one of the other four is."""
+    from math import comb
+
+    first = 1 - comb(60, 8) / comb(64, 8)
+    second = comb(60, 8) / comb(64, 8) - comb(56, 8) / comb(64, 8)
+    assert schedule_bound.routing_shares("64:8:8", 2) == pytest.approx(
+        [first / (first + second), second / (first + second)]
+    )
+    for bad in ("64:8", "64:x:8", "64:80:8", "64:8:3"):
+        with pytest.raises(ValueError, match="--routing"):
+            schedule_bound.routing_shares(bad, 2)
+    argv = ["schedule_bound.py", "--compute-ms", "4", "--comm-ms", "2", "--layers", "1", "--attention-share", "0.5"]
+    monkeypatch.setattr(
+        sys, "argv", [*argv, "--join", "--expert-chunks", "2", "--num-ubatches", "1", "--routing", "64:8:8"]
+    )
+    schedule_bound.main()
+    uneven = float(capsys.readouterr().out.split(": ")[1].split(" ms")[0])
+    assert uneven > 5.0, "the larger first chunk is exposed longer than an equal one (5.0 ms by hand)"
+
+
 def test_schedule_bound_prints_joined_modes(monkeypatch, capsys):
     argv = ["schedule_bound.py", "--compute-ms", "4", "--comm-ms", "2", "--layers", "1", "--attention-share", "0.5"]
     monkeypatch.setattr(sys, "argv", [*argv, "--join", "--expert-chunks", "1,2", "--num-ubatches", "2"])
