@@ -259,10 +259,27 @@ def test_a_group_of_one_expert_on_the_grouped_path_equals_the_masked_loop(rows):
             use_grouped_mm=True,
             dropped=torch.zeros((), dtype=torch.int64),
         )
-        assert len(out) == (rows if rows <= expert_compute.ONE_EXPERT_PLAIN_MAX_ROWS else ids.numel())
+        assert len(out) == rows, "a row holds at most one pair of the one expert: the sort keeps len(x) rows"
         local = torch.where(ids == first, 0, -1)
         expected = expert_compute.masked_experts(x, local, weights, w13[one], w2[one])
         torch.testing.assert_close(gather_sum(out, position, kept).float(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_experts", [1, 3, 6])
+def test_the_torch_sort_copies_only_the_rows_that_can_hold_an_expert_of_the_group(num_experts):
+    """A row names each expert once, so at most rows * min(top_k, experts) pairs are the group's:
+    the sort copies that many rows (every pair's rows past them would never be read), sorted as
+    a copy of every pair's row would be."""
+    g = torch.Generator().manual_seed(num_experts)
+    rows, top_k = 50, 4
+    x = torch.randn(rows, 8, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:top_k] for _ in range(rows)]) - 2
+    ids = torch.where(ids < num_experts, ids, -1)  # ids -2..-1 and past the group: none
+    sorted_rows, order, ends = expert_compute.sort_by_expert(x, ids, num_experts)
+    assert len(sorted_rows) == rows * min(top_k, num_experts)
+    held = int(ends[-1])
+    assert held == int((ids >= 0).sum()) and held <= len(sorted_rows)
+    torch.testing.assert_close(sorted_rows[:held], x[order // top_k][:held], rtol=0, atol=0)
 
 
 def test_expert_groups_on_the_padded_gemm_equal_one_group_on_the_grouped_gemm(monkeypatch):

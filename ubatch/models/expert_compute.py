@@ -168,13 +168,18 @@ def masked_experts(
 def sort_by_expert(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(for every (row, column) of ``ids`` [rows, top_k], the row of ``x`` [rows, hidden], sorted
-    by expert with the columns that have none (ids < 0) last; the order that sorts them, among
-    rows * top_k; each expert's end offset among them as int32): what the grouped GEMM takes."""
+    """(the rows of ``x`` [rows, hidden] for the (row, column) pairs of ``ids`` [rows, top_k]
+    sorted by expert, the columns that have none (ids < 0) last, as many of them as can hold an
+    expert here: rows * min(top_k, num_experts), since a row names each expert once; the order
+    that sorts all rows * top_k pairs; each expert's end offset among them as int32): what the
+    grouped GEMM takes. The bound keeps a group of few experts from copying every pair's row
+    (an expert group of one expert under top-8 would copy eight rows per row, seven of them
+    never read)."""
     key = torch.where(ids < 0, num_experts, ids).flatten()
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    return x[order // ids.shape[1]], order, counts[:num_experts].cumsum(0).to(torch.int32)
+    held = len(x) * min(ids.shape[1], num_experts)
+    return x[order[:held] // ids.shape[1]], order, counts[:num_experts].cumsum(0).to(torch.int32)
 
 
 @fused
