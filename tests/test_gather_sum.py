@@ -140,6 +140,12 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         want = m._gather_sum_torch(src, index, weight, acc)
         m._gather_sum_triton(src, index, weight, acc, acc)
         torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
+        # in place with rows that have nothing to add: they keep their sums
+        sparse = torch.where(torch.arange(rows)[:, None] % 2 == 0, -1, index)
+        acc = torch.randn(rows, hidden)
+        want = m._gather_sum_torch(src, sparse, weight, acc)
+        m._gather_sum_triton(src, sparse, weight, acc, acc)
+        torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
         # the first rows accumulated in place, the rest new whatever they held
         want = m._gather_sum_torch(src, index, weight, acc[: rows // 2])
         acc[rows // 2 :] = float("nan")

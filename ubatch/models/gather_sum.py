@@ -95,11 +95,14 @@ def _gather_sum_triton(
     if weight is not None and weight.stride(1) != 1:
         weight = weight.contiguous()
     block = min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(hidden))
+    if add is not None:
+        add = add.contiguous()
+    in_place = add is not None and add.data_ptr() == out.data_ptr()
     _gather_sum_kernel[(rows, triton.cdiv(hidden, block))](
         src,
         index,
         index if weight is None else weight,
-        out if add is None else add.contiguous(),
+        out if add is None else add,
         out,
         hidden,
         src.stride(0),
@@ -108,6 +111,7 @@ def _gather_sum_triton(
         K=k,
         HAS_WEIGHT=weight is not None,
         HAS_ADD=add is not None,
+        IN_PLACE=in_place,
         BLOCK_HIDDEN=block,
         num_warps=4,
     )
@@ -129,15 +133,23 @@ if triton is not None:
         K: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         HAS_ADD: tl.constexpr,
+        IN_PLACE: tl.constexpr,
         BLOCK_HIDDEN: tl.constexpr,
     ):
         """Output row ``program_id(0)``, columns block ``program_id(1)``: rows with a negative
         index are neither read nor added (their weight may be anything), nor is ``add`` from row
         ``add_rows`` on. A program reads its block of ``add`` before it writes the same block of
-        ``out``, so the two may alias."""
+        ``out``, so the two may alias; when they do (``IN_PLACE``), a row of ``add`` with nothing
+        to add already holds its sum and is neither read nor written: an expert group's sum
+        over every row landed so far then moves only the rows of that group."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_HIDDEN + tl.arange(0, BLOCK_HIDDEN)
         in_row = cols < hidden
+        if IN_PLACE:
+            hits = tl.zeros([BLOCK_HIDDEN], dtype=tl.int32)
+            for j in tl.static_range(K):
+                hits += (cols * 0 + tl.load(index_ptr + row * K + j) >= 0).to(tl.int32)
+            in_row = in_row & ((hits > 0) | (cols * 0 + row >= add_rows))
         if HAS_ADD:
             added = in_row & (cols * 0 + row < add_rows)  # a vector mask, as below
             acc = tl.load(add_ptr + row * hidden + cols, mask=added, other=0.0).to(tl.float32)
