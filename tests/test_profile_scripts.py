@@ -250,6 +250,8 @@ def test_schedule_bound_routing_gives_each_group_a_uniform_routers_rows(monkeypa
     )
     schedule_bound.main()
     uneven = float(capsys.readouterr().out.split(": ")[1].split(" ms")[0])
+    shares = schedule_bound.routing_shares("64:8:8", 2)
+    assert uneven == pytest.approx(schedule_bound.joined_step_ms(1, 2, 1, 4.0, 2.0, 0.5, chunk_shares=shares), abs=5e-3)
     assert uneven > 5.0, "the larger first chunk is exposed longer than an equal one (5.0 ms by hand)"
 
 

@@ -121,22 +121,29 @@ def eager_call(model: Any, step: Step, mode: OverlapMode, sm_partition: Any = No
     slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
 
     def run() -> Any:
-        apply_mode(model, mode)
-        try:
-            with (
-                torch.inference_mode(),
-                set_forward_context(
-                    step.attn_metadata,
-                    no_compile_layers=model.attention_layers,
-                    ubatch_slices=slices,
-                    num_tokens=step.num_tokens,
-                ),
-            ):
-                return runnable(step.input_ids, step.positions)
-        finally:
-            apply_mode(model, OverlapMode())
+        with (
+            mode_in_force(model, mode),
+            torch.inference_mode(),
+            set_forward_context(
+                step.attn_metadata,
+                no_compile_layers=model.attention_layers,
+                ubatch_slices=slices,
+                num_tokens=step.num_tokens,
+            ),
+        ):
+            return runnable(step.input_ids, step.positions)
 
     return run
+
+
+@contextmanager
+def mode_in_force(model: Any, mode: OverlapMode) -> Iterator[None]:
+    """``mode`` applied to ``model`` in the ``with`` body, the unsplit mode put back after it."""
+    apply_mode(model, mode)
+    try:
+        yield
+    finally:
+        apply_mode(model, OverlapMode())
 
 
 class GraphedMode:
@@ -478,11 +485,8 @@ def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
         return 1.0
 
     def rows(m: OverlapMode) -> int:
-        apply_mode(model, m)
-        try:
+        with mode_in_force(model, m):
             return sum(layer.static_rows(s.token_slice.stop - s.token_slice.start) for s in step.slices(m.num_ubatches))
-        finally:
-            apply_mode(model, OverlapMode())
 
     return rows(mode) / rows(OverlapMode())
 
@@ -496,16 +500,12 @@ def chunk_shares(model: Any, step: Step, mode: OverlapMode) -> list[float] | Non
         return None
     first = step.slices(mode.num_ubatches)[0].token_slice
     num_tokens = first.stop - first.start
-    apply_mode(model, mode)
-    try:
-        if layer.capacity_factor is None:
-            rows = balanced_chunk_rows(
-                num_tokens, layer.num_local_experts * layer.ep_world, layer.top_k, layer.ep_world, mode.expert_chunks
-            )
-        else:
+    if layer.capacity_factor is None:
+        experts = layer.num_local_experts * layer.ep_world
+        rows = balanced_chunk_rows(num_tokens, experts, layer.top_k, layer.ep_world, mode.expert_chunks)
+    else:
+        with mode_in_force(model, mode):
             rows = layer.capacity(num_tokens)
-    finally:
-        apply_mode(model, OverlapMode())
     total = sum(rows)
     return [r / total for r in rows] if total > 0 else None
 
