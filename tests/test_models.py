@@ -485,12 +485,12 @@ def sort_cases(device, dtype, seed, small=False):
 def test_sort_by_expert_kernel_interpreted():
     """The grouped GEMM's counting sort under Triton's CPU interpreter against the torch sort: the
     same ends, positions and rows. The interpreter pays per program, so the cases are small and
-    the blocks shrunk to match: 16 elements a copy step (a row of 40 spans three), 32 pairs a scan
-    step (240 pairs take eight)."""
+    the blocks shrunk to match: 16 elements a copy step (a row of 40 spans three), 32 pairs a block
+    (240 pairs take eight), and the block bases four blocks a step (eight take two)."""
     run_interpreted(
         SORT_CHECK
         + """
-expert_rows._MAX_BLOCK_HIDDEN, expert_rows._BLOCK_SCAN = 16, 32
+expert_rows._MAX_BLOCK_HIDDEN, expert_rows._BLOCK_SCAN, expert_rows._BASE_TILE = 16, 32, 4
 placed = 0
 for dtype in (torch.float32, torch.bfloat16):
     for x, ids, n, first in sort_cases("cpu", dtype, 0, small=True):
@@ -511,6 +511,8 @@ def test_sort_by_expert_kernel_sorts_as_torch_and_replays_from_a_graph(dtype):
     exec(SORT_CHECK, namespace)
     for case in namespace["sort_cases"]("cuda", dtype, 1):
         namespace["check_sort"](*case)
+    many = torch.randint(-1, 9, (4000, 8), device="cuda")  # 32000 pairs: 125 blocks, four base steps
+    assert namespace["check_sort"](torch.randn(4000, 64, device="cuda").to(dtype), many, 8, 0) > 0
     x = torch.randn(700, 256, device="cuda").to(dtype)
     ids = torch.randint(-1, 8, (700, 8), device="cuda")
     assert expert_rows.sort_kernel_takes(x, ids, 8)
@@ -531,7 +533,7 @@ def test_sort_by_expert_kernel_sorts_as_torch_and_replays_from_a_graph(dtype):
         assert torch.equal(rows[: int(ends[-1])], want_rows[: int(ends[-1])])
 
 
-def test_sort_kernel_leaves_large_or_odd_inputs_to_torch():
+def test_sort_kernel_leaves_odd_inputs_to_torch():
     from ubatch.models import expert_rows
 
     x, ids = torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64)
@@ -542,8 +544,6 @@ def test_sort_kernel_leaves_large_or_odd_inputs_to_torch():
     assert expert_rows.sort_kernel_takes(x, ids, 4)
     assert not expert_rows.sort_kernel_takes(x, ids.int(), 4)
     assert not expert_rows.sort_kernel_takes(x, ids, expert_rows._MAX_SORT_EXPERTS + 1)
-    many = torch.zeros(expert_rows._MAX_SORT_PAIRS // 2 + 1, 2, dtype=torch.int64, device="cuda")
-    assert not expert_rows.sort_kernel_takes(torch.zeros(len(many), 8, device="cuda"), many, 4)
 
 
 def _expert_rows_case(seed, num_rows, hidden, num_experts, dtype, expert_dtype, strided, per_row=1):

@@ -5,7 +5,7 @@ paths:
   factor bounds each expert's rows and they are few (``PADDED_MAX_ROWS``): at those sizes the GEMM
   is a weight read, and the padding rows ride along;
 - grouped: ``torch._grouped_mm`` over the rows sorted by expert (on CUDA by a counting sort in
-  two Triton kernels, ``expert_rows.sort_by_expert_kernel``), where no row may be dropped or an
+  four Triton kernels, ``expert_rows.sort_by_expert_kernel``), where no row may be dropped or an
   expert has many rows; with one expert (a rank of an expert-parallel world as wide as the
   experts) and few rows (``ONE_EXPERT_PLAIN_MAX_ROWS``), its down projection is a plain GEMM
   over every received row instead;

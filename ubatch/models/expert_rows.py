@@ -1,6 +1,6 @@
 """Triton kernels that place each received row where an expert GEMM reads it, on CUDA: in its
 expert's block of the padded batched GEMM's input (``pad_expert_rows_kernel``, one launch), or
-sorted by expert for the grouped GEMM (``sort_by_expert_kernel``, two).
+sorted by expert for the grouped GEMM (``sort_by_expert_kernel``, four).
 
 Why: in plain torch ops (``expert_compute.pad_expert_rows``, ``expert_compute.sort_by_expert``)
 each takes about a dozen small kernels per expert group and layer (a one-hot scan or a sort for
@@ -18,10 +18,8 @@ from ubatch._triton import tl, triton, triton_available
 
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step: 8 bf16 (16 bytes) per thread, 4 warps
 _BLOCK_RANK = 1024  # earlier rows compared per loop step when counting a row's rank
-_BLOCK_SCAN = 256  # (row, expert) pairs the sort's one-program scan takes per loop step
-_MAX_SORT_PAIRS = 8192
-"""The sort's scan is one program, about a microsecond per ``_BLOCK_SCAN`` pairs: past this many
-pairs (prefill, top-8 routing over many rows) torch's parallel sort takes over."""
+_BLOCK_SCAN = 256  # (row, expert) pairs each program of the sort counts and places
+_BASE_TILE = 32  # blocks of pairs the sort's one program of block bases takes per loop step
 _MAX_SORT_EXPERTS = 128  # experts the scan counts at once
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _EXPERT_DTYPES = (torch.int32, torch.int64)
@@ -87,8 +85,7 @@ def pad_expert_rows_kernel(
 
 def sort_kernel_takes(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> bool:
     """Whether ``sort_by_expert_kernel`` handles these inputs: CUDA with Triton, dense row
-    elements, contiguous int64 ids [rows, top_k], at most ``_MAX_SORT_PAIRS`` pairs and
-    ``_MAX_SORT_EXPERTS`` experts."""
+    elements, contiguous int64 ids [rows, top_k], at most ``_MAX_SORT_EXPERTS`` experts."""
     return (
         triton_available(x.device)
         and x.dim() == 2
@@ -99,7 +96,6 @@ def sort_kernel_takes(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> b
         and ids.is_contiguous()
         and ids.dtype == torch.int64
         and ids.device == x.device
-        and ids.numel() <= _MAX_SORT_PAIRS
         and num_experts <= _MAX_SORT_EXPERTS
     )
 
@@ -107,46 +103,37 @@ def sort_kernel_takes(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> b
 def sort_by_expert_kernel(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The grouped GEMM's input in two launches: (every (row, column) pair of ``ids`` [rows,
+    """The grouped GEMM's input in four launches: (every (row, column) pair of ``ids`` [rows,
     top_k] whose expert lies in ``first`` .. ``first + num_experts - 1``, its row of ``x``, sorted
-    by expert and in pair order within one, [rows * top_k, hidden] (the rows past the last
-    expert's end are left unwritten); each pair's position there [rows, top_k], -1 for the
-    others; each expert's end offset among them, int32 [num_experts]). The positions are a
-    stable sort's, as ``expert_compute.sort_by_expert`` gives them. A one-program scan counts each
-    pair's rank among its expert's pairs and the experts' ends; then a program per pair copies
-    its row."""
+    by expert and in pair order within one, [rows * min(top_k, num_experts), hidden] (a row names
+    each expert once; the rows past the last expert's end are left unwritten); each pair's
+    position there [rows, top_k], -1 for the others; each expert's end offset among them, int32
+    [num_experts]). The positions are a stable sort's, as ``expert_compute.sort_by_expert`` gives
+    them. A counting sort over blocks of pairs, linear in the pairs: each block counts its pairs
+    per expert, one program turns the counts into each block's first position per expert and the
+    experts' ends, each block places its pairs, and a program per pair copies its row, so only
+    the pairs of these experts move a row (a group's slice of many rows reads their ids alone)."""
     rows, top_k = ids.shape
     hidden = x.shape[1]
     pairs = rows * top_k
-    sorted_rows = x.new_empty(pairs, hidden)
+    sorted_rows = x.new_empty(rows * min(top_k, num_experts), hidden)
     position = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
     ends = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     if pairs == 0 or num_experts == 0:
         return sorted_rows, position.fill_(-1), ends
-    rank = torch.empty(pairs, dtype=torch.int32, device=x.device)
-    _sort_scan[(1,)](
-        ids,
-        rank,
-        ends,
-        pairs,
-        first,
-        num_experts,
-        KEYS=max(2, triton.next_power_of_2(num_experts)),
-        BLOCK=_BLOCK_SCAN,
-        num_warps=4,
-    )
+    keys = max(2, triton.next_power_of_2(num_experts))
+    blocks = triton.cdiv(pairs, _BLOCK_SCAN)
+    counts = torch.empty(blocks, keys, dtype=torch.int32, device=x.device)
+    _sort_count[(blocks,)](ids, counts, pairs, first, num_experts, KEYS=keys, BLOCK=_BLOCK_SCAN, num_warps=4)
+    _sort_bases[(1,)](counts, ends, blocks, num_experts, KEYS=keys, TILE=_BASE_TILE, num_warps=4)
+    _sort_place[(blocks,)](ids, counts, position, pairs, first, num_experts, KEYS=keys, BLOCK=_BLOCK_SCAN, num_warps=4)
     _sort_copy[(pairs,)](
         x,
-        ids,
-        rank,
-        ends,
-        sorted_rows,
         position,
+        sorted_rows,
         top_k,
         hidden,
         x.stride(0),
-        first,
-        num_experts,
         BLOCK_HIDDEN=min(_MAX_BLOCK_HIDDEN, triton.next_power_of_2(max(hidden, 1))),
         num_warps=4,
     )
@@ -156,52 +143,68 @@ def sort_by_expert_kernel(
 if triton is not None:
 
     @triton.jit
-    def _sort_scan(ids_ptr, rank_ptr, ends_ptr, pairs, first, num_experts, KEYS: tl.constexpr, BLOCK: tl.constexpr):
-        """One program over the pairs in order: each pair's rank among the earlier pairs of its
-        expert (-1 for pairs of no expert here), then each expert's end offset (the running sum of
-        the counts). The experts are keys along the outer dimension and the pairs along the inner
-        one, the scan's (a scan along the outer dimension with a single key gave wrong positions
-        on an H200, ``send_rows``)."""
+    def _block_hits(ids_ptr, block, pairs, first, num_experts, KEYS: tl.constexpr, BLOCK: tl.constexpr):
+        """The pairs of block ``block``: their indices, whether each is a pair of an expert here,
+        its expert (-1 none) and the one-hot [KEYS, BLOCK] of expert by pair. The experts are keys
+        along the outer dimension and the pairs along the inner one, the scans' (a scan along the
+        outer dimension with a single key gave wrong positions on an H200, ``send_rows``)."""
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        live = i < pairs
+        given = tl.load(ids_ptr + i, mask=live, other=-1)
+        expert = tl.where((given >= first) & (given < first + num_experts), given - first, -1).to(tl.int32)
         keys = tl.arange(0, KEYS)
-        seen = tl.zeros((KEYS,), dtype=tl.int32)
-        for start in tl.range(0, pairs, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            live = i < pairs
-            given = tl.load(ids_ptr + i, mask=live, other=-1)
-            expert = tl.where((given >= first) & (given < first + num_experts), given - first, -1).to(tl.int32)
-            hit = (keys[:, None] == expert[None, :]) & live[None, :]
-            hits = hit.to(tl.int32)
-            before = seen[:, None] + tl.cumsum(hits, axis=1) - hits
-            rank = tl.sum(tl.where(hit, before, 0), axis=0)
-            tl.store(rank_ptr + i, tl.where(expert >= 0, rank, -1), mask=live)
-            seen += tl.sum(hits, axis=1)
-        tl.store(ends_ptr + keys, tl.cumsum(seen, axis=0), mask=keys < num_experts)
+        hit = (keys[:, None] == expert[None, :]) & live[None, :]
+        return i, live, expert, hit
 
     @triton.jit
-    def _sort_copy(
-        x_ptr,
-        ids_ptr,
-        rank_ptr,
-        ends_ptr,
-        out_ptr,
-        position_ptr,
-        top_k,
-        hidden,
-        stride_x,
-        first,
-        num_experts,
-        BLOCK_HIDDEN: tl.constexpr,
+    def _sort_count(ids_ptr, counts_ptr, pairs, first, num_experts, KEYS: tl.constexpr, BLOCK: tl.constexpr):
+        """Block ``program_id(0)``'s pairs per expert, a row of ``counts`` [blocks, KEYS]."""
+        block = tl.program_id(0)
+        _, _, _, hit = _block_hits(ids_ptr, block, pairs, first, num_experts, KEYS, BLOCK)
+        tl.store(counts_ptr + block * KEYS + tl.arange(0, KEYS), tl.sum(hit.to(tl.int32), axis=1))
+
+    @triton.jit
+    def _sort_bases(counts_ptr, ends_ptr, blocks, num_experts, KEYS: tl.constexpr, TILE: tl.constexpr):
+        """One program: the experts' ends (the running sum of their totals), then each block's
+        row of ``counts`` replaced by where its first pair of each expert goes (the expert's start
+        plus the pairs of earlier blocks). ``TILE`` blocks a step, keys along the outer dimension."""
+        keys = tl.arange(0, KEYS)
+        total = tl.zeros((KEYS,), dtype=tl.int32)
+        for start in tl.range(0, blocks, TILE):
+            block = start + tl.arange(0, TILE)
+            tile = tl.load(counts_ptr + block[None, :] * KEYS + keys[:, None], mask=block[None, :] < blocks, other=0)
+            total += tl.sum(tile, axis=1)
+        ends = tl.cumsum(total, axis=0)
+        tl.store(ends_ptr + keys, ends, mask=keys < num_experts)
+        base = ends - total
+        for start in tl.range(0, blocks, TILE):
+            block = start + tl.arange(0, TILE)
+            where = counts_ptr + block[None, :] * KEYS + keys[:, None]
+            live = block[None, :] < blocks
+            tile = tl.load(where, mask=live, other=0)
+            tl.store(where, base[:, None] + tl.cumsum(tile, axis=1) - tile, mask=live)
+            base += tl.sum(tile, axis=1)
+
+    @triton.jit
+    def _sort_place(
+        ids_ptr, bases_ptr, position_ptr, pairs, first, num_experts, KEYS: tl.constexpr, BLOCK: tl.constexpr
     ):
-        """Pair ``program_id(0)``: its position is its expert's start plus its rank; its row of
-        ``x`` goes there. A pair of no expert here gets -1 and copies nothing."""
+        """Block ``program_id(0)``: each pair's position is its block's base for its expert plus
+        its rank among the block's earlier pairs of that expert; -1 for a pair of no expert here."""
+        block = tl.program_id(0)
+        i, live, expert, hit = _block_hits(ids_ptr, block, pairs, first, num_experts, KEYS, BLOCK)
+        hits = hit.to(tl.int32)
+        base = tl.load(bases_ptr + block * KEYS + tl.arange(0, KEYS))
+        before = base[:, None] + tl.cumsum(hits, axis=1) - hits
+        place = tl.sum(tl.where(hit, before, 0), axis=0)
+        tl.store(position_ptr + i, tl.where(expert >= 0, place, -1).to(tl.int64), mask=live)
+
+    @triton.jit
+    def _sort_copy(x_ptr, position_ptr, out_ptr, top_k, hidden, stride_x, BLOCK_HIDDEN: tl.constexpr):
+        """Pair ``program_id(0)``: its row of ``x`` goes to its position; a pair of no expert here
+        (-1) copies nothing."""
         pair = tl.program_id(0).to(tl.int64)
-        rank = tl.load(rank_ptr + pair).to(tl.int64)
-        expert = tl.load(ids_ptr + pair) - first
-        real = rank >= 0
-        after = real & (expert > 0)  # an expert whose start is the end before it
-        start = tl.where(after, tl.load(ends_ptr + tl.where(after, expert - 1, 0)), 0).to(tl.int64)
-        place = tl.where(real, start + rank, -1)
-        tl.store(position_ptr + pair, place)
+        place = tl.load(position_ptr + pair)
         source = x_ptr + (pair // top_k) * stride_x
         target = out_ptr + place * hidden
         for offset in tl.range(0, hidden, BLOCK_HIDDEN):
