@@ -60,13 +60,14 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
 
 def test_kernels_interpreted():
     """The interpreter pays per program and loop step, so the blocks shrink (32 rows a plan
-    program, 16 elements a copy step: a row of 24 spans two; several plan programs), the
+    program, 16 where the plan counts 16 keys or more; 16 elements a copy step: a row of 24 spans
+    two; several plan programs), the
     300-token case runs with a tenth of its tokens and capacities, and the 600-token one is left
     to the CUDA test (as wide in its scan, and as long to interpret as all the others)."""
     run_interpreted(
         CHECK
         + f"""
-send_rows._BLOCK_ROWS, send_rows._MAX_BLOCK_HIDDEN = 32, 16
+send_rows._BLOCK_ROWS, send_rows._MAX_BLOCK_HIDDEN, send_rows._TILE = 32, 16, 256
 dropped = 0
 for dtype in (torch.bfloat16, torch.float32):
     for tokens, top_k, experts, chunks, world, caps in {CASES!r}:
@@ -93,6 +94,7 @@ print("interpreted kernel ok")
         (1024, 2, 8, 2, 2, (700, 300)),
         (1024, 8, 64, 4, 2, (400, 300, 200, 150)),
         (4096, 8, 64, 2, 8, (1500, 400)),
+        (1024, 8, 64, 8, 8, (300, 250, 200, 150, 120, 100, 90, 80)),  # 128 keys: 32 rows a program
         (4096, 2, 8, 1, 8, (1332,)),  # one expert per rank: the block layout of the runs case below
     ],
 )

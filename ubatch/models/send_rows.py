@@ -30,7 +30,12 @@ from ubatch.models.dispatch import (
 
 _MAX_TOP_K = 16  # experts a token may have here; more take the torch path
 _MAX_KEYS = 128  # (chunk, rank) blocks the scan counts at once, dispatch and combine together
-_BLOCK_ROWS = 256  # (token, rank) rows each program of the plan's two passes takes
+_BLOCK_ROWS = 256  # (token, rank) rows each program of the plan's two passes takes, at most
+_TILE = 4096
+"""Keys times rows of a plan program's one-hot: with many keys (eight expert groups over eight
+ranks are 128) a program takes fewer rows, so the passes spread over more programs (256 rows
+against 128 keys made eight programs of 0.1 ms each in a 256-token decode layer over eight
+ranks, benchmarks/h100/run23)."""
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -123,14 +128,10 @@ def dispatch_plan_kernel(
         n_local // chunks,
         world,
     )
-    meta = dict(
-        CHUNKS=chunks,
-        KEYS=max(2, triton.next_power_of_2(_scan_keys(chunks, world))),
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_ROWS=_BLOCK_ROWS,
-        num_warps=4,
-    )
-    programs = triton.cdiv(num_tokens * world, _BLOCK_ROWS)
+    keys = max(2, triton.next_power_of_2(_scan_keys(chunks, world)))
+    block_rows = max(16, min(_BLOCK_ROWS, _TILE // keys))
+    meta = dict(CHUNKS=chunks, KEYS=keys, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_ROWS=block_rows, num_warps=4)
+    programs = triton.cdiv(num_tokens * world, block_rows)
     counts = torch.empty(programs, meta["KEYS"], dtype=torch.int32, device=x.device)
     _count_kernel[(programs,)](*scan, counts, **meta)
     earlier = counts.cumsum(dim=0, dtype=torch.int32).sub_(counts)  # rows of each key in the blocks before
