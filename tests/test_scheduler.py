@@ -271,6 +271,30 @@ def test_finished_ubatches_keep_nothing_alive_and_a_dropped_scheduler_needs_no_g
         gc.enable()
 
 
+def test_a_dropped_schedulers_workers_are_recycled_not_killed_inside_a_ubatch():
+    """A dropped pool's parked workers go to its thread's next pools. Freed, each would be killed
+    by its deallocation, often inside the garbage collector: a switch into it from whatever ran,
+    here another scheduler's ubatch (a GPU test run once aborted in such a collection)."""
+    first = UBatchScheduler(2, "cpu")
+    first.run([_stepper([], 2)] * 2)
+    workers = [weakref.ref(worker) for worker in first._local.pool.workers]
+    first.cycle = first  # only the collector frees it
+    del first
+
+    def collect_inside_a_ubatch():
+        gc.collect()
+        yield_ubatch()
+        return [ref() is not None and not ref().dead for ref in workers]
+
+    second = UBatchScheduler(3, "cpu")
+    assert second.run([collect_inside_a_ubatch] * 3) == [[True, True]] * 3
+    made = {id(ref()) for ref in workers} | {id(worker) for worker in second._local.pool.workers}
+    del second
+    third = UBatchScheduler(4, "cpu")  # more than the second left: the first's workers serve too
+    assert third.run([_own("third")] * 4) == [("third", i) for i in range(4)]
+    assert {id(worker) for worker in third._local.pool.workers} < made
+
+
 def _own(tag):
     """Tasks that yield twice and return (tag, their ubatch id): a stale result shows."""
 

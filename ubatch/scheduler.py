@@ -58,6 +58,31 @@ swallows it and yields: its ``yield_ubatch`` would then switch into whatever cal
 moment, and greenlet leaks the worker anyway ("GreenletExit did not kill")."""
 
 
+_idle = threading.local()
+"""Per thread, ``workers``: the parked workers of pools that died, for the thread's next pools.
+A dropped worker would be killed by its deallocation, often inside the garbage collector: a
+switch into it with ``GreenletExit`` from wherever the collection ran, in the middle of another
+ubatch's step. A recycled worker never dies before the interpreter does."""
+
+
+def _idle_workers() -> list[greenlet.greenlet]:
+    workers = getattr(_idle, "workers", None)
+    if workers is None:
+        workers = _idle.workers = []
+    return workers
+
+
+def _take_worker() -> greenlet.greenlet:
+    idle = _idle_workers()
+    return idle.pop() if idle else _start_worker()
+
+
+def _recycle_workers(workers: list[greenlet.greenlet], idle: list[greenlet.greenlet]) -> None:
+    """A dead pool's finalizer: its parked workers join its thread's idle ones. It may run on any
+    thread (a collection anywhere), so it only appends, to the list of the pool's own thread."""
+    idle.extend(worker for worker in workers if not worker.dead)
+
+
 class UBatchAborted(BaseException):
     """Thrown into a suspended ubatch when another one failed; never escapes the scheduler."""
 
@@ -396,9 +421,10 @@ class UBatchScheduler:
         pool = getattr(self._local, "pool", None)
         if pool is None:
             pool = _Pool()
+            weakref.finalize(pool, _recycle_workers, pool.workers, _idle_workers())
             self._local.pool = pool
         while len(pool.workers) < self.num_ubatches:  # two loops: an interrupt leaves no gap
-            pool.workers.append(_start_worker())
+            pool.workers.append(_take_worker())
         while len(pool.states) < self.num_ubatches:
             pool.states.append(self._make_state(len(pool.states)))
         return pool
@@ -536,7 +562,7 @@ class UBatchScheduler:
         state.discarded = True
         if not worker.dead:
             _refusing_workers.append(worker)
-        pool.workers[i] = _start_worker()  # the worker first: a fresh state must never meet the old one
+        pool.workers[i] = _take_worker()  # the worker first: a fresh state must never meet the old one
         pool.states[i] = self._make_state(i)
 
     def _call_streams(self, n: int, caller_stream: Any) -> list[Any]:
