@@ -1,7 +1,7 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
 lane sat idle, kernel families that grow when split, the schedule bound's limits, the
-first-use cost probe, the policy replay, the sweep at a communication-to-compute ratio and the
-expert-group bench's routed rows."""
+first-use cost probe, the policy replay, the sweep at a communication-to-compute ratio, the
+expert-group bench's routed rows and the padding of a dispatch cut by expert group."""
 
 import gzip
 import importlib.util
@@ -33,6 +33,7 @@ replay_policy = _load("replay_policy")
 modes_table = _load("modes_table")
 sweep_at_ratio = _load("sweep_at_ratio")
 bench_expert_groups = _load("bench_expert_groups")
+chunk_padding = _load("chunk_padding")
 
 
 def _trace():
@@ -573,3 +574,22 @@ def test_the_expert_group_bench_routes_every_token_to_top_k_experts():
     counts = [b - a for a, b in zip([0, *ends], ends)]
     assert len(ends) == 8 and ends[-1] == 2048 and min(counts) > 0
     assert max(counts) < 2 * 2048 / 8, f"a random router this uneven is not the presets' routing: {counts}"
+
+
+def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_the_call(capsys):
+    from ubatch.models.dispatch import balanced_chunk_rows
+
+    counts = chunk_padding.group_rows(64, 32, 4, 4, 4, samples=300)
+    assert counts.shape == (300, 4)
+    expected = balanced_chunk_rows(64, 32, 4, 4, 4)
+    assert counts.double().mean(dim=0).tolist() == pytest.approx(expected, rel=0.15)
+    report = chunk_padding.padding(counts, 0.99, 3.0)
+    assert 1.0 < report["call_capacity"] < report["groups_sum"]
+    assert all(c > 1.0 for c in report["group_capacities"])
+    ends = report["run_ends"]
+    assert ends == sorted(ends) and 0 < ends[0] and ends[-1] <= 1.0
+    assert all(0.0 <= share <= 0.05 for share in report["spill"])
+    with pytest.raises(ValueError, match="30 experts do not split into 4 ranks of 4 groups"):
+        chunk_padding.group_rows(64, 30, 4, 4, 4, samples=1)
+    chunk_padding.main("--tokens 32 --experts 16 --top-k 2 --world 2 --groups 2 --samples 50".split())
+    assert "in all" in capsys.readouterr().out
