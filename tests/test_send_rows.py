@@ -61,13 +61,13 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
 def test_kernels_interpreted():
     """The interpreter pays per program and loop step, so the blocks shrink (32 rows a plan
     program, 16 where the plan counts 16 keys or more; 16 elements a copy step: a row of 24 spans
-    two; several plan programs), the
+    two; several plan programs, whose earlier counts a program sums two at a time), the
     300-token case runs with a tenth of its tokens and capacities, and the 600-token one is left
     to the CUDA test (as wide in its scan, and as long to interpret as all the others)."""
     run_interpreted(
         CHECK
         + f"""
-send_rows._BLOCK_ROWS, send_rows._MAX_BLOCK_HIDDEN, send_rows._TILE = 32, 16, 256
+send_rows._BLOCK_ROWS, send_rows._MAX_BLOCK_HIDDEN, send_rows._TILE, send_rows._BASE_TILE = 32, 16, 256, 2
 dropped = 0
 for dtype in (torch.bfloat16, torch.float32):
     for tokens, top_k, experts, chunks, world, caps in {CASES!r}:

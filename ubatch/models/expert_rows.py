@@ -118,9 +118,9 @@ def sort_by_expert_kernel(
     pairs = rows * top_k
     sorted_rows = x.new_empty(rows * min(top_k, num_experts), hidden)
     position = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
-    ends = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=x.device)  # _sort_bases writes every end
     if pairs == 0 or num_experts == 0:
-        return sorted_rows, position.fill_(-1), ends
+        return sorted_rows, position.fill_(-1), ends.zero_()
     keys = max(2, triton.next_power_of_2(num_experts))
     blocks = triton.cdiv(pairs, _BLOCK_SCAN)
     counts = torch.empty(blocks, keys, dtype=torch.int32, device=x.device)

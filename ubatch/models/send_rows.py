@@ -36,6 +36,7 @@ _TILE = 4096
 ranks are 128) a program takes fewer rows, so the passes spread over more programs (256 rows
 against 128 keys made eight programs of 0.1 ms each in a 256-token decode layer over eight
 ranks, benchmarks/h100/run23)."""
+_BASE_TILE = 32  # earlier blocks' counts a plan program sums per loop step
 _MAX_BLOCK_HIDDEN = 1024  # row elements copied per loop step
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -133,12 +134,10 @@ def dispatch_plan_kernel(
     meta = dict(CHUNKS=chunks, KEYS=keys, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_ROWS=block_rows, num_warps=4)
     programs = triton.cdiv(num_tokens * world, block_rows)
     counts = torch.empty(programs, meta["KEYS"], dtype=torch.int32, device=x.device)
-    _count_kernel[(programs,)](*scan, counts, **meta)
-    earlier = counts.cumsum(dim=0, dtype=torch.int32).sub_(counts)  # rows of each key in the blocks before
-    source.fill_(-1)
+    _count_kernel[(programs,)](*scan, counts, source, num_slots, triton.cdiv(num_slots, programs), **meta)
     _place_kernel[(programs,)](
         *scan,
-        earlier,
+        counts,
         back_slot,
         back_pos,
         source,
@@ -148,6 +147,7 @@ def dispatch_plan_kernel(
         back_starts,
         back_sizes,
         caps[0],
+        BASE_TILE=_BASE_TILE,
         **meta,
     )
     if num_slots:
@@ -232,17 +232,26 @@ if triton is not None:
         group_size,
         world,
         counts_ptr,
+        source_ptr,
+        num_slots,
+        slots_per_program,
         CHUNKS: tl.constexpr,
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
     ):
-        """Pass one: this block's rows per key, ``counts[program, key]``."""
+        """Pass one: this block's rows per key, ``counts[program, key]``; and this program's share
+        of the send slots cleared to -1 (no row), before pass two writes the kept rows' ones."""
         keys = tl.arange(0, KEYS)
         _, _, _, _, _, _, hit, _, _ = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
         )
         tl.store(counts_ptr + tl.program_id(0) * KEYS + keys, tl.sum(hit.to(tl.int32), axis=1))
+        first = tl.program_id(0) * slots_per_program
+        for start in tl.range(0, slots_per_program, BLOCK_ROWS):
+            slot = first + start + tl.arange(0, BLOCK_ROWS)
+            live = (slot < first + slots_per_program) & (slot < num_slots)
+            tl.store(source_ptr + slot, tl.full((BLOCK_ROWS,), -1, tl.int32), mask=live)
 
     @triton.jit
     def _place_kernel(
@@ -252,7 +261,7 @@ if triton is not None:
         n_local,
         group_size,
         world,
-        earlier_ptr,
+        counts_ptr,
         back_slot_ptr,
         back_pos_ptr,
         source_ptr,
@@ -266,17 +275,24 @@ if triton is not None:
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
+        BASE_TILE: tl.constexpr,
     ):
         """Pass two: each row's position in its dispatch and combine block among the earlier rows
-        (the blocks before this one's, ``earlier[program]``, then this block's, in order), its
-        slots, and ``source[slot] = i`` for every kept row (the slots were cleared to -1 before).
-        A row past either block's room is dropped with all its experts there."""
+        (the blocks before this one's, summed from their ``counts`` ``BASE_TILE`` blocks a step,
+        then this block's, in order), its slots, and ``source[slot] = i`` for every kept row (pass
+        one cleared the slots to -1). A row past either block's room is dropped with all its
+        experts there."""
         i, live, count, present, block, back_key, hit, at_block, at_back = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
         )
         keys = tl.arange(0, KEYS)
         hits = hit.to(tl.int32)
-        seen = tl.load(earlier_ptr + tl.program_id(0) * KEYS + keys)
+        seen = tl.zeros((KEYS,), dtype=tl.int32)
+        for start in tl.range(0, tl.program_id(0), BASE_TILE):
+            program = start + tl.arange(0, BASE_TILE)
+            before = program[None, :] < tl.program_id(0)
+            tile = tl.load(counts_ptr + program[None, :] * KEYS + keys[:, None], mask=before, other=0)
+            seen += tl.sum(tile, axis=1)
         before = seen[:, None] + tl.cumsum(hits, axis=1) - hits  # earlier rows with each key
         pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
         back_pos = tl.sum(tl.where(hit & at_back, before, 0), axis=0)
