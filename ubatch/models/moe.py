@@ -641,10 +641,12 @@ class MoEFFN(nn.Module):
 def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left unfused: a token's experts must not depend on how its batch was cut, and a compiled
     kernel's reduction order may change with the shapes it was specialised for, flipping a
-    near-tie. The router stays in float32 for the same reason (bf16 logits flip them too)."""
-    probs = F.linear(x.float(), router).softmax(dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), ids
+    near-tie. The router stays in float32 for the same reason (bf16 logits flip them too). The
+    softmax over all experts renormalised over the picks is the softmax over the picked logits:
+    taken that way it runs over k values, and neither the full softmax nor the renormalising sum
+    and division launch."""
+    logits, ids = torch.topk(F.linear(x.float(), router), top_k, dim=-1)
+    return logits.softmax(dim=-1), ids
 
 
 def _own_rows(chunks: list[slice], rows_per_rank: list[list[int]], rank: int) -> list[slice]:
