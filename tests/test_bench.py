@@ -678,6 +678,32 @@ def test_a_report_names_the_code_it_measured(monkeypatch, tmp_path):
     assert report_module.code_version() is None, "outside its own checkout it says nothing rather than guess"
 
 
+def test_a_reports_code_tree_is_the_tree_id_git_gives_the_package(tmp_path):
+    """Computed from the files alone, it equals ``git rev-parse HEAD:pkg`` for the committed
+    package: nested folders, a folder without Python files and bytecode caches left out."""
+    import subprocess
+
+    package = tmp_path / "pkg"
+    (package / "models" / "deep").mkdir(parents=True)
+    (package / "__pycache__").mkdir()
+    (package / "data").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "b.py").write_text("x = 1\n")
+    (package / "models" / "a.py").write_bytes(b"y = 2\n")
+    (package / "models" / "deep" / "c.py").write_text("z = 3\n")
+    (package / "models.py").write_text("# a module named as the folder sorts after it in git\n")
+    (package / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"\0")
+    (package / "data" / "notes.txt").write_text("not code")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.com"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "pkg/__init__.py", "pkg/b.py", "pkg/models", "pkg/models.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "pkg"], check=True)
+    want = subprocess.run([*git, "rev-parse", "HEAD:pkg"], capture_output=True, text=True, check=True).stdout.strip()
+    assert report_module.code_tree(str(package)) == want
+    (package / "b.py").write_text("x = 2\n")
+    assert report_module.code_tree(str(package)) != want
+
+
 def test_prefill_replays_from_full_graphs_only_where_asked():
     from ubatch.bench.graphs import graph_mode_for
 

@@ -4,6 +4,7 @@ figures mean. The table, the notes and the plot's title all take a row's speedup
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -34,6 +35,36 @@ def code_version() -> str | None:
     return _git(here, "describe", "--always", "--dirty")
 
 
+def code_tree(root: str | None = None) -> str:
+    """The id git gives the package's tree of ``.py`` files (``git rev-parse COMMIT:ubatch``),
+    computed from the files themselves: it names the code a report measured where ``code`` cannot,
+    as in a copied tree whose git history is stale (the GPU machine's copy once reported its
+    history's commit while running later files). ``root`` defaults to this package's folder."""
+    return _tree_id(root or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tree_id(folder: str) -> str:
+    entries = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and name != "__pycache__":
+            if _holds_python(path):
+                entries.append((name + "/", b"40000 " + name.encode() + b"\0" + bytes.fromhex(_tree_id(path))))
+        elif name.endswith(".py") and os.path.isfile(path):
+            with open(path, "rb") as f:
+                blob = _git_object(b"blob", f.read())
+            entries.append((name, b"100644 " + name.encode() + b"\0" + bytes.fromhex(blob)))
+    return _git_object(b"tree", b"".join(entry for _, entry in sorted(entries)))
+
+
+def _holds_python(folder: str) -> bool:
+    return any(name.endswith(".py") for _, _, names in os.walk(folder) for name in names)
+
+
+def _git_object(kind: bytes, body: bytes) -> str:
+    return hashlib.sha1(kind + b" %d\0" % len(body) + body).hexdigest()
+
+
 def _git(cwd: str, *args: str) -> str | None:
     try:
         done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
@@ -58,6 +89,7 @@ def environment(device: torch.device, world: int, attention: AttentionBackend) -
         "world_size": world,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "code": code_version(),
+        "code_tree": code_tree(),
         "host_cores": psutil.cpu_count(logical=True),
         "host_physical_cores": psutil.cpu_count(logical=False),
         "host_memory_gib": round(memory.total / _GIB, 2),
