@@ -691,7 +691,7 @@ def test_a_reports_code_tree_is_the_tree_id_git_gives_the_package(tmp_path):
     (package / "b.py").write_text("x = 1\n")
     (package / "models" / "a.py").write_bytes(b"y = 2\n")
     (package / "models" / "deep" / "c.py").write_text("z = 3\n")
-    (package / "models.py").write_text("# a module named as the folder sorts after it in git\n")
+    (package / "models.py").write_text("# git sorts the folder of the same name as models/, after this\n")
     (package / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"\0")
     (package / "data" / "notes.txt").write_text("not code")
     git = ["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.com"]
