@@ -33,6 +33,17 @@ def group_rows(
 ) -> torch.Tensor:
     """Rows one rank sends one destination, per expert group (a row's group is its earliest one
     there), for ``samples`` batches of ``tokens`` routed uniformly: [samples, groups]."""
+    for name, value in (
+        ("tokens", tokens),
+        ("top_k", top_k),
+        ("world", world),
+        ("groups", groups),
+        ("samples", samples),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if top_k > experts:
+        raise ValueError(f"top_k={top_k} is more than the {experts} experts")
     if experts % (world * groups):
         raise ValueError(f"{experts} experts do not split into {world} ranks of {groups} groups")
     size = experts // (world * groups)
@@ -51,6 +62,8 @@ def padding(counts: torch.Tensor, quantile: float, z: float) -> dict[str, object
     """Rows sent per mean row: one capacity for the call (the ``quantile`` of a block's rows), the
     groups' own capacities (each group's ``quantile``) added up; the runs' ends as shares of the
     call's capacity, and per group how often its rows (with the earlier groups') pass its run's end."""
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must lie between 0 and 1, got {quantile}")
     counts = counts.double()
     total = counts.sum(dim=1)
     mean = float(total.mean())

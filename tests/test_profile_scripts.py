@@ -591,5 +591,11 @@ def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_t
     assert all(0.0 <= share <= 0.05 for share in report["spill"])
     with pytest.raises(ValueError, match="30 experts do not split into 4 ranks of 4 groups"):
         chunk_padding.group_rows(64, 30, 4, 4, 4, samples=1)
+    with pytest.raises(ValueError, match="samples must be at least 1, got 0"):
+        chunk_padding.group_rows(64, 32, 4, 4, 4, samples=0)
+    with pytest.raises(ValueError, match="top_k=40 is more than the 32 experts"):
+        chunk_padding.group_rows(64, 32, 40, 4, 4, samples=1)
+    with pytest.raises(ValueError, match="quantile must lie between 0 and 1, got 1.5"):
+        chunk_padding.padding(counts, 1.5, 3.0)
     chunk_padding.main("--tokens 32 --experts 16 --top-k 2 --world 2 --groups 2 --samples 50".split())
     assert "in all" in capsys.readouterr().out
