@@ -288,10 +288,10 @@ if triton is not None:
         keys = tl.arange(0, KEYS)
         hits = hit.to(tl.int32)
         seen = tl.zeros((KEYS,), dtype=tl.int32)
-        for start in tl.range(0, tl.program_id(0), BASE_TILE):
-            program = start + tl.arange(0, BASE_TILE)
-            before = program[None, :] < tl.program_id(0)
-            tile = tl.load(counts_ptr + program[None, :] * KEYS + keys[:, None], mask=before, other=0)
+        for start in tl.range(0, tl.program_id(0), BASE_TILE):  # each program sums every earlier
+            program = start + tl.arange(0, BASE_TILE)  # one: at most a few thousand small loads
+            earlier = program[None, :] < tl.program_id(0)
+            tile = tl.load(counts_ptr + program[None, :] * KEYS + keys[:, None], mask=earlier, other=0)
             seen += tl.sum(tile, axis=1)
         before = seen[:, None] + tl.cumsum(hits, axis=1) - hits  # earlier rows with each key
         pos = tl.sum(tl.where(hit & at_block, before, 0), axis=0)
