@@ -131,6 +131,7 @@ def sort_by_expert_kernel(
         x,
         position,
         sorted_rows,
+        len(sorted_rows),
         top_k,
         hidden,
         x.stride(0),
@@ -200,11 +201,13 @@ if triton is not None:
         tl.store(position_ptr + i, tl.where(expert >= 0, place, -1).to(tl.int64), mask=live)
 
     @triton.jit
-    def _sort_copy(x_ptr, position_ptr, out_ptr, top_k, hidden, stride_x, BLOCK_HIDDEN: tl.constexpr):
+    def _sort_copy(x_ptr, position_ptr, out_ptr, out_rows, top_k, hidden, stride_x, BLOCK_HIDDEN: tl.constexpr):
         """Pair ``program_id(0)``: its row of ``x`` goes to its position; a pair of no expert here
-        (-1) copies nothing."""
+        (-1) copies nothing, nor one past the output's rows (ids naming an expert twice in a row,
+        which routing never gives: never a write out of bounds)."""
         pair = tl.program_id(0).to(tl.int64)
         place = tl.load(position_ptr + pair)
+        place = tl.where(place < out_rows, place, -1)
         source = x_ptr + (pair // top_k) * stride_x
         target = out_ptr + place * hidden
         for offset in tl.range(0, hidden, BLOCK_HIDDEN):
