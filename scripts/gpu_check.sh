@@ -189,7 +189,7 @@ if want targets; then  # the overlap-modes issue's points on one GPU as run 24 m
     --out "$OUT/targets_moe_decode256_w8_22gbps.json" | grep -E "^ +256|auto"
   run1 200 -m ubatch.bench $prefill --preset deepseek-bench --link host::w4 --modes split4,split3,split2+tokens2,split2+local \
     --out "$OUT/targets_deepseek_prefill4096_w4.json" | grep -E "^ +4096|auto"
-  run1 150 -m ubatch.bench $prefill --preset moe-bench --link host:31:w8 --modes split2+tokens2,split4 \
+  run1 200 -m ubatch.bench $prefill --preset moe-bench --link host:31:w8 --modes split2+tokens2,split4,split2+tokens3,split3+tokens2 \
     --out "$OUT/targets_moe_prefill4096_w8_31gbps.json" | grep -E "^ +4096|auto"
   timeout 150 python3 scripts/mode_kernels.py --preset deepseek-bench --workload prefill --prefill-graphs full \
     --tokens 4096 --layers 4 --capacity-factor measured --link host::w4 --modes split4 --top 20 \
