@@ -165,7 +165,12 @@ def main() -> None:
     p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE_TOKENS.json)")
     args = p.parse_args()
     if args.trace_dir:
-        os.makedirs(args.trace_dir, exist_ok=True)
+        try:
+            os.makedirs(args.trace_dir, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--trace-dir {args.trace_dir!r} cannot be made: {exc.strerror}")
+        if not os.access(args.trace_dir, os.W_OK):
+            p.error(f"--trace-dir {args.trace_dir!r} cannot be written")
     device = torch.device("cuda")
     measured = isinstance(args.capacity_factor, MeasuredCapacityArg)
     factor = None if measured else args.capacity_factor

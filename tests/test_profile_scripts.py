@@ -599,3 +599,13 @@ def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_t
         chunk_padding.padding(counts, 1.5, 3.0)
     chunk_padding.main("--tokens 32 --experts 16 --top-k 2 --world 2 --groups 2 --samples 50".split())
     assert "in all" in capsys.readouterr().out
+
+
+def test_mode_kernels_refuses_a_trace_dir_it_cannot_make_before_any_work(monkeypatch, tmp_path, capsys):
+    mode_kernels = _load("mode_kernels")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(sys, "argv", ["mode_kernels.py", "--trace-dir", str(blocker / "traces")])
+    with pytest.raises(SystemExit):
+        mode_kernels.main()
+    assert f"--trace-dir '{blocker / 'traces'}' cannot be made" in capsys.readouterr().err
