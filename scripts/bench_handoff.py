@@ -16,6 +16,7 @@ import time
 import torch
 
 from ubatch import set_forward_context
+from ubatch.bench.outputs import check_outputs
 from ubatch.scheduler import UBatchScheduler, yield_ubatch
 from ubatch.slicing import split_batch
 from ubatch.wrapper import UBatchWrapper
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
+    check_outputs(parser, files={"--out": args.out})
     rows = [measure(n, args.repeats) for n in (2, 3, 4)]
     print(f"{'N':>3} {'per yield (us)':>15} {'scheduler call (us)':>20} {'wrapper call (us)':>18}")
     for r in rows:

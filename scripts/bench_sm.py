@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ubatch.bench.outputs import check_outputs  # noqa: E402
 from ubatch.sm import SMPartition  # noqa: E402
 
 logger = logging.getLogger("bench_sm")
@@ -102,6 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: exercise the code paths")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     args.modes = _names(args.modes, MODES, "mode")
     args.comm_sms = [int(v) for v in args.comm_sms.split(",") if v]
     if args.comm is not None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ubatch.bench.outputs import check_outputs  # noqa: E402
 from ubatch.bench.roofline import H200_COPY_GBPS_MEASURED  # noqa: E402
 from ubatch.models.swiglu import swiglu, triton_available  # noqa: E402
 
@@ -147,7 +148,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--intermediate", type=int, default=14336, help="expert intermediate size I")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: code paths only")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:

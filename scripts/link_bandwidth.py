@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ubatch.bench.outputs import check_outputs  # noqa: E402
 from ubatch.link import HostLink  # noqa: E402
 
 MB = 1 << 20
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-size", type=int, default=8192, help="M = N = K of the bf16 GEMM loop")
     parser.add_argument("--trials", type=int, default=3, help="median of this many runs per figure")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     if not torch.cuda.is_available():
         print("link_bandwidth.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from ubatch.bench.graphs import PREFILL_GRAPHS, graph_mode_for
 from ubatch.bench.kernels import Kernel, kernel_family, profile_kernels
 from ubatch.bench.modes import GraphedMode, mode_partition
 from ubatch.bench.options import MeasuredCapacityArg, capacity_factor_arg, int_list
+from ubatch.bench.outputs import check_outputs
 from ubatch.bench.workload import Step, make_step
 from ubatch.link import parse_link
 from ubatch.models import ModelConfig, build_model
@@ -164,13 +165,7 @@ def main() -> None:
     )
     p.add_argument("--trace-dir", help="write each mode's profiled replay here as a Chrome trace (MODE_TOKENS.json)")
     args = p.parse_args()
-    if args.trace_dir:
-        try:
-            os.makedirs(args.trace_dir, exist_ok=True)
-        except OSError as exc:
-            p.error(f"--trace-dir {args.trace_dir!r} cannot be made: {exc.strerror}")
-        if not os.access(args.trace_dir, os.W_OK):
-            p.error(f"--trace-dir {args.trace_dir!r} cannot be written")
+    check_outputs(p, folders={"--trace-dir": args.trace_dir})
     device = torch.device("cuda")
     measured = isinstance(args.capacity_factor, MeasuredCapacityArg)
     factor = None if measured else args.capacity_factor

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ubatch.bench.measure import event_times_ms
+from ubatch.bench.outputs import check_outputs
 
 
 @triton.jit
@@ -277,6 +278,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--part", choices=["flags", "bandwidth"], required=True)
     args = parser.parse_args()
+    check_outputs(parser, files={"--out": args.out})
 
     def log(msg):
         print(msg, flush=True)

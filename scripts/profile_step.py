@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from ubatch.bench.graphs import PREFILL_GRAPHS, graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.measure import EagerRuns, drain, median_ms
+from ubatch.bench.outputs import check_outputs
 from ubatch.bench.workload import make_step
 from ubatch.graphed import GraphedModel
 from ubatch.models import ModelConfig, build_model
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="", help="added to the output file names")
     args = p.parse_args()
+    check_outputs(p, folders={"--out": args.out})
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

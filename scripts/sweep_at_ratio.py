@@ -27,6 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ubatch.bench.outputs import check_outputs  # noqa: E402
+
 PROBE_REPEATS = 3
 COPY_ENGINE_SHARE = 0.9  # above this share of the copy engines' speed the pacing has no room left
 RATIO_TOLERANCE = 0.05  # a probe this close (relative) to the asked M / C sets the link as it ran
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="the sweep's report")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the sweep's ubatch-bench flags, with --modes")
     args = p.parse_args(argv)
+    check_outputs(p, files={"--out": args.out})
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     if not args.ratio > 0 or not args.probe_gbps > 0 or args.world < 1:
         p.error("--ratio and --probe-gbps must be > 0 and --world >= 1")

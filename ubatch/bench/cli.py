@@ -31,6 +31,7 @@ from ubatch.bench.options import (
     non_negative_int,
     positive_int,
 )
+from ubatch.bench.outputs import check_outputs
 from ubatch.bench.report import (
     CPU_NOTE,
     LEGEND,
@@ -357,18 +358,7 @@ def _check_sweep(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Each output path can be written (a file is created only to be removed again), and
     matplotlib imports for ``--plot``."""
-    for flag, path in (("--out", args.out), ("--plot", args.plot), ("--chrome-trace", args.chrome_trace)):
-        if path is None:
-            continue
-        if os.path.isdir(path):
-            p.error(f"{flag} {path!r} is a directory, not a file")
-        existed = os.path.exists(path)
-        try:
-            open(path, "a").close()
-        except OSError as exc:
-            p.error(f"{flag} {path!r} cannot be written: {exc.strerror}")
-        if not existed:
-            os.remove(path)
+    check_outputs(p, files={"--out": args.out, "--plot": args.plot, "--chrome-trace": args.chrome_trace})
     if args.plot:
         try:
             import matplotlib  # noqa: F401
