@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+import ubatch.scheduler as scheduler_module
 from ubatch import comm
 from ubatch.context import ForwardContext, get_forward_context, override_forward_context
 from ubatch.scheduler import MAX_UBATCHES, UBatchScheduler, current_ubatch_id, yield_ubatch
@@ -293,6 +294,10 @@ def test_a_dropped_schedulers_workers_are_recycled_not_killed_inside_a_ubatch():
     third = UBatchScheduler(4, "cpu")  # more than the second left: the first's workers serve too
     assert third.run([_own("third")] * 4) == [("third", i) for i in range(4)]
     assert {id(worker) for worker in third._local.pool.workers} < made
+    # a recycled worker reports to whoever took it, as a fresh one does to its maker
+    del third
+    driver = greenlet.greenlet(lambda: scheduler_module._take_worker())
+    assert driver.switch().parent is driver
 
 
 def _own(tag):

@@ -73,8 +73,14 @@ def _idle_workers() -> list[greenlet.greenlet]:
 
 
 def _take_worker() -> greenlet.greenlet:
+    """A parked worker for the calling driver: an idle one, reporting to the caller as a fresh one
+    would (its parent is still the driver of its dead pool), else a fresh one."""
     idle = _idle_workers()
-    return idle.pop() if idle else _start_worker()
+    if not idle:
+        return _start_worker()
+    worker = idle.pop()
+    worker.parent = greenlet.getcurrent()
+    return worker
 
 
 def _recycle_workers(workers: list[greenlet.greenlet], idle: list[greenlet.greenlet]) -> None:
