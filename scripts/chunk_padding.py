@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ubatch.models.dispatch import balanced_chunk_rows  # noqa: E402
+from ubatch.runner.checks import check_count  # noqa: E402
 
 SAMPLE_BATCH = 100  # samples routed at once (tokens x experts random numbers each)
 
@@ -40,8 +41,7 @@ def group_rows(
         ("groups", groups),
         ("samples", samples),
     ):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+        check_count(name, value)
     if top_k > experts:
         raise ValueError(f"top_k={top_k} is more than the {experts} experts")
     if experts % (world * groups):

@@ -591,7 +591,7 @@ def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_t
     assert all(0.0 <= share <= 0.05 for share in report["spill"])
     with pytest.raises(ValueError, match="30 experts do not split into 4 ranks of 4 groups"):
         chunk_padding.group_rows(64, 30, 4, 4, 4, samples=1)
-    with pytest.raises(ValueError, match="samples must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="samples must be an integer >= 1, got 0"):
         chunk_padding.group_rows(64, 32, 4, 4, 4, samples=0)
     with pytest.raises(ValueError, match="top_k=40 is more than the 32 experts"):
         chunk_padding.group_rows(64, 32, 40, 4, 4, samples=1)

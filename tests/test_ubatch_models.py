@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.builtin_flash_fake import fake_builtin_flash_enabled
 from tests.dist_utils import run_distributed
-from ubatch import set_forward_context
+from ubatch.bench.measure import step_forward
 from ubatch.bench.workload import make_step
 from ubatch.models import ModelConfig, build_model
 from ubatch.wrapper import UBatchWrapper
@@ -39,17 +39,7 @@ def _shape(kind: str, rng: random.Random) -> tuple[list[int], list[int]]:
     return queries, [rng.choice([0, rng.randint(1, 15)]) for _ in range(n)]
 
 
-def _forward(runnable, model, step, slices=None):
-    with (
-        torch.inference_mode(),
-        set_forward_context(
-            step.attn_metadata,
-            no_compile_layers=model.attention_layers,
-            ubatch_slices=slices,
-            num_tokens=step.num_tokens,
-        ),
-    ):
-        return runnable(step.input_ids, step.positions)
+_forward = step_forward  # the bench's own forward in a step's context
 
 
 def check_ubatched_equals_unsplit(model, kind: str, seed: int, num_ubatches: int, pad: int = 0, tol=TOL) -> None:

@@ -246,21 +246,25 @@ class Measurement:
         }
 
 
+def step_forward(runnable: Any, model: Any, step: Step, slices: Any = None) -> Any:
+    """``step`` through ``runnable`` (``model`` or a wrapper of it) once, eagerly, in the forward
+    context it needs: its attention metadata, ``model``'s attention layers left uncompiled, and the
+    ubatch ``slices`` a wrapper cuts it into (None: whole)."""
+    with (
+        torch.inference_mode(),
+        set_forward_context(
+            step.attn_metadata,
+            no_compile_layers=model.attention_layers,
+            ubatch_slices=slices,
+            num_tokens=step.num_tokens,
+        ),
+    ):
+        return runnable(step.input_ids, step.positions)
+
+
 def unsplit_call(model: Any, step: Step) -> Callable[[], Any]:
     """A call that runs ``step`` through ``model`` eagerly, whole."""
-
-    def run() -> Any:
-        with (
-            torch.inference_mode(),
-            set_forward_context(
-                step.attn_metadata,
-                no_compile_layers=model.attention_layers,
-                num_tokens=step.num_tokens,
-            ),
-        ):
-            return model(step.input_ids, step.positions)
-
-    return run
+    return lambda: step_forward(model, model, step)
 
 
 class EagerRuns:

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
-from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms
+from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms, step_forward
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, mode_step_ms
 from ubatch.bench.workload import Step
-from ubatch.context import CUDAGraphMode, set_forward_context
+from ubatch.context import CUDAGraphMode
 from ubatch.graphed import GraphedModel
 from ubatch.models.dispatch import balanced_chunk_rows
 from ubatch.overlap import OverlapMode, apply_mode, moe_layers, supported
@@ -121,17 +121,8 @@ def eager_call(model: Any, step: Step, mode: OverlapMode, sm_partition: Any = No
     slices = step.slices(mode.num_ubatches) if mode.runs_as_ubatches else None
 
     def run() -> Any:
-        with (
-            mode_in_force(model, mode),
-            torch.inference_mode(),
-            set_forward_context(
-                step.attn_metadata,
-                no_compile_layers=model.attention_layers,
-                ubatch_slices=slices,
-                num_tokens=step.num_tokens,
-            ),
-        ):
-            return runnable(step.input_ids, step.positions)
+        with mode_in_force(model, mode):
+            return step_forward(runnable, model, step, slices)
 
     return run
 
