@@ -22,6 +22,8 @@ import json
 
 import torch
 
+from ubatch.bench.measure import median_ms
+
 
 def build(variant: str, src: torch.Tensor, host: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, chunks: int):
     """The captured graph (see the module docstring) and the predicate tensors it reads."""
@@ -58,21 +60,6 @@ def build(variant: str, src: torch.Tensor, host: torch.Tensor, dst: torch.Tensor
     return graph, predicates
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 11) -> float:
-    """Median replay time in ms after two warm replays."""
-    for _ in range(2):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def probe(variant: str, mib: int, chunks: int) -> None:
     nbytes = (mib << 20) // chunks * chunks
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -89,7 +76,7 @@ def probe(variant: str, mib: int, chunks: int) -> None:
         count.fill_(n)
         dst.zero_()
         try:
-            ms = replay_ms(graph)
+            ms = median_ms(graph.replay, src.device, warmup=2, repeats=11)
         except Exception as error:
             print(json.dumps({"variant": variant, "count": n, "replay_error": f"{type(error).__name__}: {error}"}))
             return
