@@ -179,22 +179,20 @@ if want modes_w8_prefill; then  # the same for prefill, a call of its own
   timeout 270 $ratio --probe-gbps 40 --out "$OUT/modes_deepseek_prefill4096_w8.json" -- $prefill \
     --preset deepseek-bench --modes overlap,pipeline2,split2,split3 2>&1 | tail -8
 fi
-if want targets; then  # the overlap-modes issue's points on one GPU as run 24 measured them, well inside one call:
-  # 256-token decode as one rank of eight, 4096-token prefill with FULL graphs, and where the splits' time goes
+if want targets; then  # the overlap-modes issue's points on one GPU as run 25 measured them, well inside one call:
+  # 256-token decode as one rank of eight, 4096-token prefill with FULL graphs, and where decode's split goes
   decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
   prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
   run1 90 -m ubatch.bench $decode --preset deepseek-bench --link host::w8 --modes split2,split2+join+pipeline4,pipeline4 \
     --out "$OUT/targets_deepseek_decode256_w8.json" | grep -E "^ +256|auto"
   run1 90 -m ubatch.bench $decode --preset moe-bench --link host:22:w8 --modes split2,overlap \
     --out "$OUT/targets_moe_decode256_w8_22gbps.json" | grep -E "^ +256|auto"
-  run1 200 -m ubatch.bench $prefill --preset deepseek-bench --link host::w4 --modes split4,split3,split2+tokens2,split2+local \
+  run1 150 -m ubatch.bench $prefill --preset deepseek-bench --link host::w4 --modes split4,split2+tokens2 \
     --out "$OUT/targets_deepseek_prefill4096_w4.json" | grep -E "^ +4096|auto"
-  run1 200 -m ubatch.bench $prefill --preset moe-bench --link host:31:w8 --modes split2+tokens2,split4,split2+tokens3,split3+tokens2 \
+  run1 150 -m ubatch.bench $prefill --preset moe-bench --link host:31:w8 --modes split2+tokens2,split4 \
     --out "$OUT/targets_moe_prefill4096_w8_31gbps.json" | grep -E "^ +4096|auto"
-  timeout 150 python3 scripts/mode_kernels.py --preset deepseek-bench --workload prefill --prefill-graphs full \
-    --tokens 4096 --layers 4 --capacity-factor measured --link host::w4 --modes split4 --top 20 \
-    --trace-dir "$OUT/traces_targets" 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_prefill4096_w4.log" | grep '^{'
-  tar -C "$OUT" -czf "$OUT/traces_targets.tar.gz" traces_targets && rm -r "$OUT/traces_targets"
+  timeout 80 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
+    --link host::w8 --modes split2 --top 25 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_decode256_w8.log" | grep '^{'
 fi
 if want decode_kernel; then  # the Triton decode kernel (attention backend "triton") against flash-attn 4: its tests,
   # its timing, and the decode modes without communication through each (the queued columns: launches hidden)
