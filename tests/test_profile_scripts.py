@@ -1,7 +1,8 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
 lane sat idle, kernel families that grow when split, the schedule bound's limits, the
 first-use cost probe, the policy replay, the sweep at a communication-to-compute ratio, the
-expert-group bench's routed rows and the padding of a dispatch cut by expert group."""
+expert-group bench's routed rows, the expert GEMM bench's skewed rows and the padding of a dispatch
+cut by expert group."""
 
 import gzip
 import importlib.util
@@ -33,6 +34,7 @@ replay_policy = _load("replay_policy")
 modes_table = _load("modes_table")
 sweep_at_ratio = _load("sweep_at_ratio")
 bench_expert_groups = _load("bench_expert_groups")
+bench_expert_gemm = _load("bench_expert_gemm")
 chunk_padding = _load("chunk_padding")
 
 
@@ -574,6 +576,26 @@ def test_the_expert_group_bench_routes_every_token_to_top_k_experts():
     counts = [b - a for a, b in zip([0, *ends], ends)]
     assert len(ends) == 8 and ends[-1] == 2048 and min(counts) > 0
     assert max(counts) < 2 * 2048 / 8, f"a random router this uneven is not the presets' routing: {counts}"
+
+
+def test_expert_gemm_bench_skews_rows_without_changing_their_total_and_fewer_rows_fill_tiles_worse():
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    assert bench_expert_gemm.expert_counts(4, 100, 0.0, generator) == [100] * 4
+    counts = bench_expert_gemm.expert_counts(16, 512, 0.35, generator)
+    assert len(counts) == 16 and sum(counts) == 16 * 512 and max(counts) > 512 > min(counts)
+    assert bench_expert_gemm.tile_fill([128, 256], 128) == 1.0
+    assert bench_expert_gemm.tile_fill([129, 1], 64) == pytest.approx(256 / 130)
+    assert bench_expert_gemm.tile_fill([], 128) == 1.0
+
+    def mean_fill(rows):
+        draws = [bench_expert_gemm.expert_counts(16, rows, 0.35, generator) for _ in range(40)]
+        return sum(bench_expert_gemm.tile_fill(c, 128) for c in draws) / len(draws)
+
+    assert mean_fill(512) > mean_fill(2048) + 0.05  # a quarter of the rows: about 1.12x against 1.03x
+    with pytest.raises(ValueError, match="skew must be >= 0, got -0.1"):
+        bench_expert_gemm.expert_counts(4, 100, -0.1, generator)
 
 
 def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_the_call(capsys):
