@@ -85,6 +85,12 @@ def test_bad_mode_names_are_refused(text):
         parse_modes(text)
 
 
+def test_more_ubatches_than_the_scheduler_runs_are_refused_when_the_mode_is_named():
+    with pytest.raises(ValueError, match="num_ubatches must be an int in 1..16, got 17"):
+        parse_modes("split17")
+    assert parse_modes("split16")[-1].num_ubatches == 16
+
+
 def test_an_sm_partition_needs_a_mode_that_runs_as_ubatches():
     with pytest.raises(ValueError, match=r"comm_sms=8\) needs a mode that runs as ubatches.*overlap@green8"):
         OverlapMode.parse("unsplit@green8")

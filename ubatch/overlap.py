@@ -44,6 +44,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ubatch.scheduler import MAX_UBATCHES
+
 MAX_EXPERT_CHUNKS = 8
 MAX_TOKEN_CHUNKS = 8
 MAX_ALL_REDUCE_CHUNKS = 8
@@ -70,13 +72,13 @@ class OverlapMode:
 
     def __post_init__(self) -> None:
         for name, value, top in (
-            ("num_ubatches", self.num_ubatches, None),
+            ("num_ubatches", self.num_ubatches, MAX_UBATCHES),
             ("expert_chunks", self.expert_chunks, MAX_EXPERT_CHUNKS),
             ("all_reduce_chunks", self.all_reduce_chunks, MAX_ALL_REDUCE_CHUNKS),
             ("token_chunks", self.token_chunks, MAX_TOKEN_CHUNKS),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
-                raise ValueError(f"{name} must be an int in 1..{top or 'any'}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value > top:
+                raise ValueError(f"{name} must be an int in 1..{top}, got {value!r}")
         if self.join_experts and self.num_ubatches < 2:
             raise ValueError(f"join_experts joins the expert stages of a split, got num_ubatches={self.num_ubatches}")
         if self.join_experts and self.token_chunks > 1:
