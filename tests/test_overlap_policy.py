@@ -577,6 +577,8 @@ def test_the_schedule_model_sends_each_expert_groups_own_rows():
     "argv, message",
     [
         (["--modes", "split0"], "must be an int"),
+        (["--modes", "split17"], "num_ubatches must be an int in 1..16, got 17"),
+        (["--num-ubatches", "2,17"], "ubatch counts of at most MAX_UBATCHES=16"),
         (["--modes", "fast"], "unknown overlap mode"),
         (["--link", "infiniband"], "link"),
         (["--link", "host", "--nproc", "2"], "--link stands in"),

@@ -30,6 +30,7 @@ from ubatch.bench.options import (
     model_overrides,
     non_negative_int,
     positive_int,
+    ubatch_counts,
 )
 from ubatch.bench.outputs import check_outputs
 from ubatch.bench.report import (
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--num-ubatches",
-        type=int_list,
+        type=ubatch_counts,
         help="ubatch counts to try, e.g. 2,3,4 (default 2; generate: 1, and only the first count is used)",
     )
     p.add_argument("--requests", type=positive_int, help="generate: requests per generation (default 32; quick: 4)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ubatch.models.capacity import DEFAULT_MARGIN
+from ubatch.scheduler import MAX_UBATCHES
 
 
 def int_list(text: str) -> list[int]:
@@ -18,6 +19,14 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def ubatch_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated ubatch counts, each at most ``MAX_UBATCHES``."""
+    values = int_list(text)
+    if max(values) > MAX_UBATCHES:
+        raise argparse.ArgumentTypeError(f"expected ubatch counts of at most MAX_UBATCHES={MAX_UBATCHES}, got {text!r}")
     return values
 
 
