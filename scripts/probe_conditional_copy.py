@@ -9,10 +9,11 @@ the link stand-in's path) cut into ``--chunks`` pieces, each piece's copies insi
 replay time and whether exactly the first ``count`` pieces arrived. ``same``: each piece's two
 copies in one body on one stream; ``two_streams``: the device-to-host bodies on the capture
 stream and each host-to-device body on a side stream after its piece's event, so the two
-engines overlap as the stand-in's do.
+engines overlap as the stand-in's do. Each with host memory from torch's pinned pool and
+registered by hand (``host_buffer``).
 
 ``python scripts/probe_conditional_copy.py --mib 64 --chunks 8`` (one GPU). One JSON line per
-(variant, count); a variant that cannot be captured or replayed prints its error instead.
+(variant, host memory, count); a variant that cannot be captured or replayed prints its error instead.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def build(variant: str, src: torch.Tensor, host: torch.Tensor, dst: torch.Tensor
                 event.record(capture)
                 staged.append(event)
         if variant == "two_streams":
-            side.wait_stream(capture)
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side):  # joins the capture at its first wait
                 for j, (predicate, event) in enumerate(zip(predicates, staged)):
                     side.wait_event(event)
                     part = slice(j * piece, (j + 1) * piece)
@@ -60,16 +60,28 @@ def build(variant: str, src: torch.Tensor, host: torch.Tensor, dst: torch.Tensor
     return graph, predicates
 
 
-def probe(variant: str, mib: int, chunks: int) -> None:
+def host_buffer(kind: str, nbytes: int) -> torch.Tensor:
+    """Page-locked host memory: from torch's pinned pool (``pool``, what the link stand-in uses), or
+    a plain tensor registered with CUDA (``registered``). A copy into the pool's memory records an
+    event for the pool, and a conditional node's body may hold copies but no event records, so the
+    registered kind is the one a body can take if the pool's cannot."""
+    if kind == "pool":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+    return host
+
+
+def probe(variant: str, host_kind: str, mib: int, chunks: int) -> None:
     nbytes = (mib << 20) // chunks * chunks
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = host_buffer(host_kind, nbytes)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     count = torch.zeros((), dtype=torch.int64, device="cuda")
     try:
         graph, _ = build(variant, src, host, dst, count, chunks)
     except Exception as error:  # the probe's answer is whether this works at all
-        print(json.dumps({"variant": variant, "capture_error": f"{type(error).__name__}: {error}"}))
+        print(json.dumps({"variant": variant, "host": host_kind, "capture_error": f"{type(error).__name__}: {error}"}))
         return
     piece = nbytes // chunks
     for n in range(chunks + 1):
@@ -78,7 +90,8 @@ def probe(variant: str, mib: int, chunks: int) -> None:
         try:
             ms = median_ms(graph.replay, src.device, warmup=2, repeats=11)
         except Exception as error:
-            print(json.dumps({"variant": variant, "count": n, "replay_error": f"{type(error).__name__}: {error}"}))
+            failed = {"variant": variant, "host": host_kind, "count": n}
+            print(json.dumps(failed | {"replay_error": f"{type(error).__name__}: {error}"}))
             return
         dst.zero_()
         graph.replay()
@@ -90,6 +103,7 @@ def probe(variant: str, mib: int, chunks: int) -> None:
             json.dumps(
                 {
                     "variant": variant,
+                    "host": host_kind,
                     "count": n,
                     "bytes": n * piece,
                     "ms": round(ms, 4),
@@ -106,16 +120,21 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="the largest payload, MiB")
     parser.add_argument("--chunks", type=int, default=8, help="pieces, each behind its own IF node")
     parser.add_argument("--variants", default="same,two_streams")
+    parser.add_argument("--hosts", default="registered,pool", help="host memory kinds (see host_buffer)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this probe needs a CUDA GPU")
+    variants, hosts = args.variants.split(","), args.hosts.split(",")
     if args.mib < 1 or args.chunks < 1:
-        raise SystemExit(f"--mib and --chunks must be positive, got {args.mib} and {args.chunks}")
+        parser.error(f"--mib and --chunks must be positive, got {args.mib} and {args.chunks}")
+    if unknown := [v for v in variants if v not in ("same", "two_streams")]:
+        parser.error(f"unknown variants {unknown}: same or two_streams")
+    if unknown := [h for h in hosts if h not in ("registered", "pool")]:
+        parser.error(f"unknown host memory kinds {unknown}: registered or pool")
+    if not torch.cuda.is_available():
+        parser.error("this probe needs a CUDA GPU")
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name()}))
-    for variant in args.variants.split(","):
-        if variant not in ("same", "two_streams"):
-            raise SystemExit(f"unknown variant {variant!r}: same or two_streams")
-        probe(variant, args.mib, args.chunks)
+    for variant in variants:
+        for host in hosts:
+            probe(variant, host, args.mib, args.chunks)
 
 
 if __name__ == "__main__":

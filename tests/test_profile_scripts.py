@@ -598,6 +598,22 @@ def test_expert_gemm_bench_skews_rows_without_changing_their_total_and_fewer_row
         bench_expert_gemm.expert_counts(4, 100, -0.1, generator)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variants", "same,fast"], "unknown variants ['fast']"),
+        (["--hosts", "pageable"], "unknown host memory kinds ['pageable']"),
+        (["--chunks", "0"], "--mib and --chunks must be positive"),
+    ],
+)
+def test_conditional_copy_probe_refuses_bad_arguments_before_touching_a_gpu(argv, message, monkeypatch, capsys):
+    probe = _load("probe_conditional_copy")
+    monkeypatch.setattr(sys, "argv", ["probe_conditional_copy.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        probe.main()
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_the_call(capsys):
     from ubatch.models.dispatch import balanced_chunk_rows
 
