@@ -517,6 +517,10 @@ def test_each_mode_row_carries_the_ceiling_of_its_own_mode_against_the_runs_unsp
         assert row["schedule_model_ms"] == pytest.approx(model_ms, abs=1e-3)
         model_speedup, ideal = (c + m) / model_ms, (c + m) / max(c, m)
         assert row["schedule_model_efficiency"] == pytest.approx((model_speedup - 1) / (ideal - 1), abs=1e-3)
+        taxed_ms = mode_step_ms(mode, layers=2, compute_ms=c + 1.5, comm_ms=m, ep_world=4, chunk_shares=shares)
+        assert row["schedule_model_taxed_ms"] == pytest.approx(taxed_ms, abs=1e-3), "the ceiling's 1.5 ms re-read"
+        taxed_speedup = (c + m) / taxed_ms
+        assert row["schedule_model_taxed_efficiency"] == pytest.approx((taxed_speedup - 1) / (ideal - 1), abs=1e-3)
 
 
 def test_the_schedule_model_sends_each_modes_own_padding():
@@ -547,6 +551,32 @@ def test_the_schedule_model_sends_each_modes_own_padding():
     )
     plain = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=4)
     assert fields["payload_ratio"] == 1.25 and fields["schedule_model_efficiency"] < plain["schedule_model_efficiency"]
+
+
+def test_the_taxed_schedule_model_charges_the_weights_a_mode_reads_again():
+    """The taxed model is the same schedule with the mode's re-read weights added to its compute:
+    equal to the plain model without a re-read, slower with one, absent where no ceiling gave one,
+    and shown in the modes table only where a report has it."""
+    mode = OverlapMode.parse("split4")
+    args = dict(compute_ms=16.8, comm_ms=19.0, layers=4, ep_world=4, attention_share=0.26)
+    plain = model_fields(mode, **args)
+    assert plain["schedule_model_taxed_ms"] is None and plain["schedule_model_taxed_efficiency"] is None
+    free = model_fields(mode, reread_ms=0.0, **args)
+    assert free["schedule_model_taxed_ms"] == free["schedule_model_ms"] == plain["schedule_model_ms"]
+    taxed = model_fields(mode, reread_ms=3.4, **args)
+    assert taxed["schedule_model_taxed_ms"] == pytest.approx(
+        mode_step_ms(mode, compute_ms=20.2, comm_ms=19.0, layers=4, ep_world=4, attention_share=0.26), abs=1e-3
+    )
+    assert taxed["schedule_model_taxed_efficiency"] < taxed["schedule_model_efficiency"]
+    rows = [
+        {"tokens_per_rank": 8, "mode": "unsplit", "median_ms": 2.0, "min_ms": 2.0, "max_ms": 2.0, "speedup": 1.0},
+        {"tokens_per_rank": 8, "mode": "split2", "median_ms": 1.5, "min_ms": 1.5, "max_ms": 1.5, "speedup": 1.33},
+    ]
+    rows = [{**r, "above_ideal": False, "schedule_model_ms": 1.2, "schedule_model_efficiency": 0.9} for r in rows]
+    assert "taxed" not in format_modes_table(rows), "older reports: no column"
+    rows[1].update(schedule_model_taxed_ms=1.4, schedule_model_taxed_efficiency=0.625)
+    table = format_modes_table(rows).splitlines()
+    assert "taxed model" in table[0] and "0.625" in table[2].split()
 
 
 def test_the_schedule_model_sends_each_expert_groups_own_rows():

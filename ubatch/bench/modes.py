@@ -502,22 +502,39 @@ def chunk_shares(model: Any, step: Step, mode: OverlapMode) -> list[float] | Non
 
 
 def model_fields(
-    mode: OverlapMode, *, compute_ms: float, comm_ms: float, payload_ratio: float = 1.0, **model: Any
+    mode: OverlapMode,
+    *,
+    compute_ms: float,
+    comm_ms: float,
+    payload_ratio: float = 1.0,
+    reread_ms: float | None = None,
+    **model: Any,
 ) -> dict[str, Any]:
     """A report row's ``schedule_model_ms`` (``ubatch.bench.schedule.mode_step_ms``: the step time
     the schedule allows ``mode`` from the run's C and its M times the mode's ``payload_ratio``
     (the padding its smaller dispatches send), nothing slower when overlapped, no split tax) and
-    the efficiency it gives against the run's ideal (``schedule_model_efficiency``); None where the
-    model does not describe the mode, and an efficiency only where there is communication to hide."""
-    ms = mode_step_ms(mode, compute_ms=compute_ms, comm_ms=comm_ms * payload_ratio, **model)
+    the efficiency it gives against the run's ideal (``schedule_model_efficiency``), and the same
+    with the weights the mode reads again charged to its compute (``schedule_model_taxed_ms`` /
+    ``_efficiency``, from the ceiling's ``reread_ms``): the split's tax no schedule hides, which
+    the plain model leaves out and which ranks modes differently. None where the model does not
+    describe the mode, an efficiency only where there is communication to hide, and no taxed
+    figures without ``reread_ms``."""
     ideal = ideal_speedup(compute_ms, comm_ms)
-    efficiency = None
-    if ms is not None and ms > 0 and ideal > 1 + 1e-9:
-        efficiency = round(((compute_ms + comm_ms) / ms - 1) / (ideal - 1), 4)
+
+    def step_and_efficiency(compute: float) -> tuple[float | None, float | None]:
+        ms = mode_step_ms(mode, compute_ms=compute, comm_ms=comm_ms * payload_ratio, **model)
+        if ms is None or not ms > 0 or ideal <= 1 + 1e-9:
+            return ms, None
+        return ms, round(((compute_ms + comm_ms) / ms - 1) / (ideal - 1), 4)
+
+    ms, efficiency = step_and_efficiency(compute_ms)
+    taxed_ms, taxed_efficiency = (None, None) if reread_ms is None else step_and_efficiency(compute_ms + reread_ms)
     return {
         "payload_ratio": round(payload_ratio, 4),
         "schedule_model_ms": None if ms is None else round(ms, 4),
         "schedule_model_efficiency": efficiency,
+        "schedule_model_taxed_ms": None if taxed_ms is None else round(taxed_ms, 4),
+        "schedule_model_taxed_efficiency": taxed_efficiency,
     }
 
 
@@ -614,6 +631,17 @@ def modes_report(
         )
         md = step.attn_metadata[model.layer_names[0]]
         for row in mode_rows(sweep, modes):
+            ceiling = ceiling_fields(
+                config,
+                by_name[row["mode"]],
+                tokens,
+                compute_ms=sweep["compute_ms"],
+                comm_ms=sweep["comm_ms"],
+                unsplit_ms=sweep["timings"]["unsplit"].median_ms,
+                ceilings=ceilings,
+                ep_world=ep_world,
+                tp_world=tp_world,
+            )
             results.append(
                 {
                     "model": args.preset,
@@ -637,6 +665,7 @@ def modes_report(
                         compute_ms=sweep["compute_ms"],
                         comm_ms=sweep["comm_ms"],
                         payload_ratio=payload_ratio(model, step, by_name[row["mode"]]),
+                        reread_ms=ceiling["reread_ms"],
                         chunk_shares=chunk_shares(model, step, by_name[row["mode"]]),
                         attention_share=model_attention_share(args.attention_share, sweep["attention_share"]),
                         ep_world=ep_world,
@@ -644,17 +673,7 @@ def modes_report(
                     "attention_share_measured": None
                     if sweep["attention_share"] is None
                     else round(sweep["attention_share"], 4),
-                    **ceiling_fields(
-                        config,
-                        by_name[row["mode"]],
-                        tokens,
-                        compute_ms=sweep["compute_ms"],
-                        comm_ms=sweep["comm_ms"],
-                        unsplit_ms=sweep["timings"]["unsplit"].median_ms,
-                        ceilings=ceilings,
-                        ep_world=ep_world,
-                        tp_world=tp_world,
-                    ),
+                    **ceiling,
                 }
             )
         point = auto_point(sweep, modes, tokens)

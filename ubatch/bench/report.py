@@ -303,6 +303,11 @@ def format_modes_table(results: Sequence[dict[str, Any]], *, markdown: bool = Fa
             if _any(results, "schedule_model_ms")
             else []
         ),
+        *(
+            [("taxed model", lambda r: _cell(r.get("schedule_model_taxed_efficiency")))]
+            if _any(results, "schedule_model_taxed_ms")
+            else []
+        ),
         *([("rows sent", lambda r: f"{r['payload_ratio']:.3g}x")] if _padded(results) else []),
         ("dropped", lambda r: _cell(r.get("dropped_fraction"))),
         (
