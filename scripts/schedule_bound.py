@@ -25,6 +25,11 @@ equal share: e.g. ``--routing 64:8:8`` for deepseek-bench as one rank of eight.
 rank of eight, run 18): ``python scripts/schedule_bound.py --compute-ms 22.53 --comm-ms 20.63
 --layers 4 --num-ubatches 1,2 --token-chunks 1,2,4``
 
+``--split-tax`` multiplies a split's (or token chunks') compute by its measured tax, the weights
+each ubatch reads again: e.g. run 25's deepseek-bench prefill as one rank of four, ``python
+scripts/schedule_bound.py --compute-ms 16.76 --comm-ms 19.0 --layers 4 --attention-share 0.26
+--split-tax 1.16`` (its ``split4`` measured 21.8 ms).
+
 ``--local-share`` lets that share of each ubatch's expert work start before its dispatch lands
 (own rows first, ``+local``; 0.5 with two ranks). Example (moe-bench's 4096-token prefill over
 the link stand-in): ``python scripts/schedule_bound.py --compute-ms 26.07 --comm-ms 20.87
@@ -76,6 +81,13 @@ def main() -> None:
         default=1.0,
         help="how much slower the split (or, with --join, cut) collectives run (a report's comm_stretch)",
     )
+    p.add_argument(
+        "--split-tax",
+        type=float,
+        default=1.0,
+        help="how much more a plain split (or token chunks) computes than the unsplit step, its weights read again "
+        "(a profiled step's compute ratio, or 1 + a report's reread_ms / C)",
+    )
     p.add_argument("--num-ubatches", default="1,2,3,4")
     p.add_argument(
         "--local-share",
@@ -113,6 +125,10 @@ def main() -> None:
             p.error(f"{', '.join(given)} model joined expert stages: add --join")
     if args.comm_stretch <= 0:
         p.error(f"--comm-stretch must be positive, got {args.comm_stretch}")
+    if args.split_tax < 1:
+        p.error(f"--split-tax must be >= 1 (a split computes at least the unsplit step), got {args.split_tax}")
+    if args.join and args.split_tax != 1:
+        p.error("--split-tax models plain splits; joined stages read each expert's weights once (--ubatch-cost-ms)")
     unsplit = args.compute_ms + args.comm_ms
     ideal = ideal_speedup(args.compute_ms, args.comm_ms)
 
@@ -127,7 +143,7 @@ def main() -> None:
                 t = step_ms(
                     n,
                     args.layers,
-                    args.compute_ms,
+                    args.compute_ms * (args.split_tax if n > 1 or chunks > 1 else 1.0),
                     args.comm_ms,
                     args.attention_share,
                     args.comm_stretch,
@@ -135,6 +151,7 @@ def main() -> None:
                     token_chunks=chunks,
                 )
                 label = f"N={n}" + (f", {chunks} token chunks" if chunks > 1 else "")
+                label += f", tax {args.split_tax:g}" if args.split_tax != 1 and (n > 1 or chunks > 1) else ""
                 report(label + (f", own rows first ({args.local_share:g})" if args.local_share else ""), t)
             continue
         for k in map(int, args.expert_chunks.split(",")):

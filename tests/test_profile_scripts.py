@@ -266,6 +266,26 @@ def test_schedule_bound_prints_joined_modes(monkeypatch, capsys):
     assert out[0].startswith("N=2 joined, K=1: 5.50 ms") and out[1].startswith("N=2 joined, K=2:")
 
 
+def test_schedule_bound_split_tax_slows_splits_and_token_chunks_only(monkeypatch, capsys):
+    argv = ["schedule_bound.py", "--compute-ms", "16", "--comm-ms", "18", "--layers", "4", "--attention-share", "0.25"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--num-ubatches", "1,4", "--token-chunks", "1,2", "--split-tax", "1.2"])
+    schedule_bound.main()
+    out = capsys.readouterr().out.splitlines()
+    times = [float(line.split(": ")[1].split(" ms")[0]) for line in out]
+    assert out[0].startswith("N=1:") and times[0] == pytest.approx(34.0), "the unsplit step pays no tax"
+    assert out[1].startswith("N=1, 2 token chunks, tax 1.2") and out[2].startswith("N=4, tax 1.2")
+    assert times[1] == pytest.approx(schedule_bound.step_ms(1, 4, 19.2, 18.0, 0.25, token_chunks=2), abs=5e-3)
+    assert times[2] == pytest.approx(schedule_bound.step_ms(4, 4, 19.2, 18.0, 0.25), abs=5e-3)
+    for extra, message in [
+        (["--split-tax", "0.9"], "--split-tax must be >= 1"),
+        (["--split-tax", "1.1", "--join"], "--split-tax models plain splits"),
+    ]:
+        monkeypatch.setattr(sys, "argv", [*argv, *extra])
+        with pytest.raises(SystemExit):
+            schedule_bound.main()
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", [["--expert-chunks", "2"], ["--group-cost-ms", "0.1"], ["--ubatch-cost-ms", "0.1"]])
 def test_schedule_bound_refuses_joined_costs_without_join(monkeypatch, capsys, flag):
     argv = ["schedule_bound.py", "--compute-ms", "4", "--comm-ms", "2", "--layers", "1", *flag]
