@@ -8,7 +8,7 @@ CUDA-event-timed repeats, the weight bytes per second and the TFLOP/s it implies
 per call is what an expert group of a pipelined mode runs (4 local experts in 2 groups: 2 per GEMM).
 
 ``--skew SIGMA`` (> 0) draws each call's rows per expert from a multinomial over experts whose
-weights are log-normal with that sigma (the same total rows as equal ones), as a skewed router
+weights are log-normal with that sigma (``ubatch.bench.skew``) (the same total rows as equal ones), as a skewed router
 deals them, and adds each call's ``fullest`` expert (its rows over the mean) and ``tile_fill``:
 the rows a GEMM computes when each expert's rows are rounded up to whole tiles of 64 and 128
 rows, over the real rows. A split's ubatch has fewer rows per expert, so its part-empty last
@@ -20,37 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 
 import torch
 
 from ubatch.bench.measure import event_times_ms
+from ubatch.bench.skew import expert_counts, tile_fill
 
 TILES = (64, 128)
 
 
 def time_ms(fn) -> float:
     return statistics.median(event_times_ms(fn, repeats=50))
-
-
-def expert_counts(experts: int, rows_per_expert: int, skew: float, generator: torch.Generator) -> list[int]:
-    """Rows per expert summing to ``experts * rows_per_expert``: equal where ``skew`` is 0, else a
-    multinomial draw over experts with log-normal weights of sigma ``skew``."""
-    if skew < 0:
-        raise ValueError(f"skew must be >= 0, got {skew}")
-    total = experts * rows_per_expert
-    if skew == 0 or total == 0:
-        return [rows_per_expert] * experts
-    weights = torch.exp(skew * torch.randn(experts, generator=generator, dtype=torch.float64))
-    picks = torch.multinomial(weights, total, replacement=True, generator=generator)
-    return torch.bincount(picks, minlength=experts).tolist()
-
-
-def tile_fill(counts: list[int], tile: int) -> float:
-    """Rows computed with every expert's rows rounded up to whole tiles, over the real rows."""
-    real = sum(counts)
-    return sum(math.ceil(n / tile) * tile for n in counts) / real if real else 1.0
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, targets: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, targets, grouped_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -193,6 +193,13 @@ if want targets; then  # the overlap-modes issue's points on one GPU as run 25 m
     --out "$OUT/targets_moe_prefill4096_w8_31gbps.json" | grep -E "^ +4096|auto"
   timeout 80 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
     --link host::w8 --modes split2 --top 25 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_decode256_w8.log" | grep '^{'
+fi
+if want grouped_gemm; then  # a split's expert GEMMs over skewed rows: torch's grouped GEMM against the probe's
+  # Triton one with 64- and 128-row tiles (deepseek-bench prefill as one rank of four: 16 experts, 512 / 2048 rows)
+  timeout 90 python3 scripts/bench_expert_gemm.py --experts 16 --hidden 4096 --inter 2048 --rows 512,2048 --skew 0.35 \
+    2>&1 | grep '^{' | tee "$OUT/expert_gemm_skewed.log"
+  timeout 150 python3 scripts/probe_grouped_gemm.py --experts 16 --hidden 4096 --inter 2048 --rows 512,2048 --skew 0.35 \
+    2>&1 | grep -v -i warn | tee "$OUT/probe_grouped_gemm.log"
 fi
 if want decode_kernel; then  # the Triton decode kernel (attention backend "triton") against flash-attn 4: its tests,
   # its timing, and the decode modes without communication through each (the queued columns: launches hidden)

@@ -1,7 +1,7 @@
 """The profiling and schedule-model scripts: kernel records from a Chrome trace, why the compute
 lane sat idle, kernel families that grow when split, the schedule bound's limits, the
 first-use cost probe, the policy replay, the sweep at a communication-to-compute ratio, the
-expert-group bench's routed rows, the expert GEMM bench's skewed rows and the padding of a dispatch
+expert-group bench's routed rows, skewed rows per expert and the padding of a dispatch
 cut by expert group."""
 
 import gzip
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ubatch.bench.kernels import kernel_family
+from ubatch.bench.skew import expert_counts, tile_fill
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,6 @@ replay_policy = _load("replay_policy")
 modes_table = _load("modes_table")
 sweep_at_ratio = _load("sweep_at_ratio")
 bench_expert_groups = _load("bench_expert_groups")
-bench_expert_gemm = _load("bench_expert_gemm")
 chunk_padding = _load("chunk_padding")
 
 
@@ -598,24 +598,24 @@ def test_the_expert_group_bench_routes_every_token_to_top_k_experts():
     assert max(counts) < 2 * 2048 / 8, f"a random router this uneven is not the presets' routing: {counts}"
 
 
-def test_expert_gemm_bench_skews_rows_without_changing_their_total_and_fewer_rows_fill_tiles_worse():
+def test_skewed_rows_keep_their_total_and_fewer_rows_fill_tiles_worse():
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    assert bench_expert_gemm.expert_counts(4, 100, 0.0, generator) == [100] * 4
-    counts = bench_expert_gemm.expert_counts(16, 512, 0.35, generator)
+    assert expert_counts(4, 100, 0.0, generator) == [100] * 4
+    counts = expert_counts(16, 512, 0.35, generator)
     assert len(counts) == 16 and sum(counts) == 16 * 512 and max(counts) > 512 > min(counts)
-    assert bench_expert_gemm.tile_fill([128, 256], 128) == 1.0
-    assert bench_expert_gemm.tile_fill([129, 1], 64) == pytest.approx(256 / 130)
-    assert bench_expert_gemm.tile_fill([], 128) == 1.0
+    assert tile_fill([128, 256], 128) == 1.0
+    assert tile_fill([129, 1], 64) == pytest.approx(256 / 130)
+    assert tile_fill([], 128) == 1.0
 
     def mean_fill(rows):
-        draws = [bench_expert_gemm.expert_counts(16, rows, 0.35, generator) for _ in range(40)]
-        return sum(bench_expert_gemm.tile_fill(c, 128) for c in draws) / len(draws)
+        draws = [expert_counts(16, rows, 0.35, generator) for _ in range(40)]
+        return sum(tile_fill(c, 128) for c in draws) / len(draws)
 
     assert mean_fill(512) > mean_fill(2048) + 0.05  # a quarter of the rows: about 1.12x against 1.03x
     with pytest.raises(ValueError, match="skew must be >= 0, got -0.1"):
-        bench_expert_gemm.expert_counts(4, 100, -0.1, generator)
+        expert_counts(4, 100, -0.1, generator)
 
 
 @pytest.mark.parametrize(
@@ -667,3 +667,35 @@ def test_mode_kernels_refuses_a_trace_dir_it_cannot_make_before_any_work(monkeyp
     with pytest.raises(SystemExit):
         mode_kernels.main()
     assert f"--trace-dir '{blocker / 'traces'}' cannot be made" in capsys.readouterr().err
+
+
+def test_the_probes_triton_grouped_gemm_matches_per_expert_products_under_the_interpreter():
+    """Experts with no rows, rows that end mid-tile, N and K that end mid-block: each expert's rows
+    times its weights, as ``torch._grouped_mm`` computes them. In float32 only: Triton 3.9's
+    interpreter multiplies bf16 blocks wrongly in ``tl.dot`` (1e10 off on 16x16 randn); the probe
+    checks its bf16 results against torch's on the GPU."""
+    from tests.interpreted import run_interpreted
+
+    run_interpreted(
+        f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("probe", {str(ROOT / "scripts" / "probe_grouped_gemm.py")!r})
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+g = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-4),):
+    for counts, n, k, config in (([5, 0, 17], 48, 40, (16, 32, 16)), ([0, 33, 1, 0], 20, 24, (32, 16, 8))):
+        w = torch.randn(len(counts), n, k, generator=g).to(dtype)
+        x = torch.randn(sum(counts), k, generator=g).to(dtype)
+        ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+        out = probe.grouped_gemm(x, w, ends, config)
+        start = 0
+        for e, rows in enumerate(counts):
+            want = x[start : start + rows].float() @ w[e].float().T
+            got = out[start : start + rows].float()
+            assert torch.allclose(got, want, atol=tol * k, rtol=tol), (dtype, counts, e, (got - want).abs().max())
+            start += rows
+print("interpreted kernel ok")
+""",
+        timeout=300,
+    )
