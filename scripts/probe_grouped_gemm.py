@@ -27,7 +27,12 @@ from ubatch._triton import tl, triton
 from ubatch.bench.measure import event_times_ms
 from ubatch.bench.skew import expert_counts, tile_fill
 
-CONFIGS = {"triton_m64": (64, 128, 64), "triton_m128": (128, 128, 64)}  # BLOCK_M, BLOCK_N, BLOCK_K
+CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K
+    "triton_m64_n128": (64, 128, 64),
+    "triton_m64_n256": (64, 256, 64),
+    "triton_m128_n128": (128, 128, 64),
+    "triton_m128_n256": (128, 256, 64),
+}
 
 
 if triton is not None:
@@ -123,7 +128,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, config: t
         BLOCK_K=block_k,
         EXPERTS=max(2, triton.next_power_of_2(experts)),
         num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-        num_stages=3,
+        num_stages=3 if block_m * block_n <= 128 * 128 else 2,
     )
     return out
 
