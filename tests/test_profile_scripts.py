@@ -684,11 +684,13 @@ probe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(probe)
 g = torch.Generator().manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-4),):
-    for counts, n, k, config in (([5, 0, 17], 48, 40, (16, 32, 16)), ([0, 33, 1, 0], 20, 24, (32, 16, 8))):
+    cases = (([5, 0, 17], 48, 40, (16, 32, 16)), ([0, 33, 1, 0], 20, 24, (32, 16, 8)), ([0, 0], 8, 8, (16, 16, 8)))
+    for counts, n, k, config in cases:
         w = torch.randn(len(counts), n, k, generator=g).to(dtype)
         x = torch.randn(sum(counts), k, generator=g).to(dtype)
         ends = torch.tensor(counts).cumsum(0).to(torch.int32)
         out = probe.grouped_gemm(x, w, ends, config)
+        assert out.shape == (sum(counts), n)
         start = 0
         for e, rows in enumerate(counts):
             want = x[start : start + rows].float() @ w[e].float().T
