@@ -25,9 +25,7 @@ import statistics
 import torch
 
 from ubatch.bench.measure import event_times_ms
-from ubatch.bench.skew import expert_counts, tile_fill
-
-TILES = (64, 128)
+from ubatch.bench.skew import expert_counts, spread_fields
 
 
 def time_ms(fn) -> float:
@@ -60,10 +58,7 @@ def print_experts(e: int, h: int, i: int, rows_per_expert: list[int], skew: floa
     for rows in rows_per_expert:
         counts = expert_counts(e, rows, skew, generator)
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(dev, torch.int32)
-        spread = {}
-        if skew:
-            spread = {"fullest": round(max(counts) / rows, 3)}
-            spread |= {f"tile_fill_{t}": round(tile_fill(counts, t), 4) for t in TILES}
+        spread = spread_fields(counts, rows) if skew else {}
         for name, (k, n) in shapes.items():
             w = weights[name]
             x = torch.randn(e * rows, k, device=dev, dtype=dt)

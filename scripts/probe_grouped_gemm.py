@@ -25,7 +25,7 @@ import torch
 
 from ubatch._triton import tl, triton
 from ubatch.bench.measure import event_times_ms
-from ubatch.bench.skew import expert_counts, tile_fill
+from ubatch.bench.skew import expert_counts, spread_fields
 
 CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K
     "triton_m64_n128": (64, 128, 64),
@@ -154,13 +154,12 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         counts = expert_counts(e, rows, args.skew, generator)
         ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(dev, torch.int32)
-        spread = {"fullest": round(max(counts) / rows, 3), "tile_fill_64": round(tile_fill(counts, 64), 4)}
-        spread["tile_fill_128"] = round(tile_fill(counts, 128), 4)
+        spread = spread_fields(counts, rows)
         for name, w in weights.items():
             x = torch.randn(e * rows, w.shape[2], device=dev, dtype=dt)
-            reference = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
             ops = {"grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=ends)}
             ops |= {op: (lambda cfg=cfg: grouped_gemm(x, w, ends, cfg)) for op, cfg in CONFIGS.items()}
+            reference = ops["grouped_mm"]()
             tflop = 2 * e * rows * w.shape[1] * w.shape[2] / 1e12
             for op, run in ops.items():
                 ms = statistics.median(event_times_ms(run, repeats=30))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ubatch.bench.kernels import kernel_family
-from ubatch.bench.skew import expert_counts, tile_fill
+from ubatch.bench.skew import expert_counts, spread_fields, tile_fill
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -608,6 +608,11 @@ def test_skewed_rows_keep_their_total_and_fewer_rows_fill_tiles_worse():
     assert tile_fill([128, 256], 128) == 1.0
     assert tile_fill([129, 1], 64) == pytest.approx(256 / 130)
     assert tile_fill([], 128) == 1.0
+    assert spread_fields([129, 1], 65) == {
+        "fullest": round(129 / 65, 3),
+        "tile_fill_64": round(256 / 130, 4),
+        "tile_fill_128": round(384 / 130, 4),
+    }
 
     def mean_fill(rows):
         draws = [expert_counts(16, rows, 0.35, generator) for _ in range(40)]

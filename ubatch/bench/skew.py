@@ -26,3 +26,10 @@ def tile_fill(counts: list[int], tile: int) -> float:
     """Rows computed with every expert's rows rounded up to whole tiles, over the real rows."""
     real = sum(counts)
     return sum(math.ceil(n / tile) * tile for n in counts) / real if real else 1.0
+
+
+def spread_fields(counts: list[int], rows_per_expert: int, tiles: tuple[int, ...] = (64, 128)) -> dict[str, float]:
+    """A report row's view of ``counts``: its ``fullest`` expert's rows over the mean, and
+    ``tile_fill_T`` for each row tile T (``tile_fill``)."""
+    fields = {"fullest": round(max(counts) / rows_per_expert, 3)}
+    return fields | {f"tile_fill_{t}": round(tile_fill(counts, t), 4) for t in tiles}
