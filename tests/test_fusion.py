@@ -18,9 +18,9 @@ from ubatch.intercept import CollectiveInterceptor
 from ubatch.models import ModelConfig, build_model, fusion
 from ubatch.models.dispatch import dispatch_plan, static_tables
 from ubatch.models.expert_compute import pad_expert_rows, sort_by_expert
-from ubatch.models.moe import route_top_k
 from ubatch.models.rms_norm import add_rms_norm_eager, rms_norm_eager
 from ubatch.models.rotary import rotate_neox_eager
+from ubatch.models.router import route_top_k
 
 
 def _inputs(tokens: int, seed: int):

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ubatch import comm, islands, scheduler
@@ -46,6 +45,7 @@ from ubatch.models.gather_sum import gather_sum
 from ubatch.models.gemm_lanes import GemmLanes
 from ubatch.models.layers import SwiGLUMLP, check_divisible, frozen, group_rank_world, init_weight
 from ubatch.models.return_places import place_returns
+from ubatch.models.router import route_top_k
 
 
 def _start_all_to_all(
@@ -636,17 +636,6 @@ class MoEFFN(nn.Module):
         factor = self.capacity_factor if self.expert_capacity_factor is None else self.expert_capacity_factor
         balanced = num_tokens * self.top_k / self.num_local_experts  # every rank's tokens over all experts
         return expert_compute.padded_capacity(balanced, num_rows, factor, pipelined=self.expert_chunks > 1)
-
-
-def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left unfused: a token's experts must not depend on how its batch was cut, and a compiled
-    kernel's reduction order may change with the shapes it was specialised for, flipping a
-    near-tie. The router stays in float32 for the same reason (bf16 logits flip them too). The
-    softmax over all experts renormalised over the picks is the softmax over the picked logits:
-    taken that way it runs over k values, and neither the full softmax nor the renormalising sum
-    and division launch."""
-    logits, ids = torch.topk(F.linear(x.float(), router), top_k, dim=-1)
-    return logits.softmax(dim=-1), ids
 
 
 def _own_rows(chunks: list[slice], rows_per_rank: list[list[int]], rank: int) -> list[slice]:
