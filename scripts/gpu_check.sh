@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, targets, grouped_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -212,6 +212,10 @@ if want decode_kernel; then  # the Triton decode kernel (attention backend "trit
     run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
       --attention "$attention" --out "$OUT/modes_moe_decode_nocomm_$attention.json" | tail -9
   done
+fi
+if want router; then  # the batch-invariant router kernels: their GPU test, then their cost against cuBLAS's float32 path
+  timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_router.py 2>&1 | tee "$OUT/gpu_router_tests.log" | tail -3
+  timeout 60 python3 scripts/bench_router.py --rows 256,1024,4096 --experts 8,64 2>&1 | grep '^{' | tee "$OUT/router.log"
 fi
 if want glue_kernels; then  # the rotary and RMSNorm kernels (one each, on by default on CUDA): their tests, the
   # no-comm decode modes through the default backend (the roofline share), and what the 1024-token step still spends

@@ -639,6 +639,15 @@ def test_conditional_copy_probe_refuses_bad_arguments_before_touching_a_gpu(argv
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_router_bench_refuses_to_run_without_a_gpu(monkeypatch, capsys):
+    bench_router = _load("bench_router")
+    monkeypatch.setattr(bench_router.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_router.py", "--rows", "8"])
+    with pytest.raises(SystemExit) as exc:
+        bench_router.main()
+    assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_chunk_padding_rows_follow_the_uniform_router_and_groups_pad_more_than_the_call(capsys):
     from ubatch.models.dispatch import balanced_chunk_rows
 
