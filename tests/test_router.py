@@ -63,12 +63,13 @@ def test_eager_routing_matches_a_float64_reference():
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (400, 8)
     check_against_reference(x, router, 8, weights, ids)
     assert route_top_k(x[:0], router, 8)[1].shape == (0, 8)
+    check_batch_invariance(x, router.bfloat16(), 8, [(0, 1), (3, 77)])  # a bf16 router's logits in float32 too
 
 
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda x, r: route_top_k(x, r.double(), 2), TypeError, "float32, got torch.float64"),
+        (lambda x, r: route_top_k(x, r.int(), 2), TypeError, "floating point, got torch.float32 and torch.int32"),
         (lambda x, r: route_top_k(x[:, :8], r, 2), ValueError, r"x \(5, 8\), router \(4, 16\)"),
         (lambda x, r: route_top_k(x[0], r, 2), ValueError, r"x \(16,\)"),
         (lambda x, r: route_top_k(x, r, 5), ValueError, "1..4 .* got 5"),
@@ -94,6 +95,7 @@ routing.triton_available = lambda device: True  # the interpreter runs the kerne
 for rows, hidden, experts, top_k, dtype in [(70, 300, 20, 4, torch.float32), (40, 64, 8, 2, torch.bfloat16),
                                             (33, 520, 3, 3, torch.float32)]:
     x, router = _case(rows, hidden, experts, dtype, seed=rows)
+    check_batch_invariance(x, router.to(dtype), top_k, [(0, 1), (3, rows - 2)])
     weights, ids = routing.route_top_k(x, router, top_k)
     check_against_reference(x, router, top_k, weights, ids)
     check_batch_invariance(x, router, top_k, [(0, 1), (5, 6), (3, rows - 2), (1, rows)])

@@ -32,7 +32,8 @@ _PRODUCT_BYTES = 64 << 20
 
 def route_top_k(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32 summing to 1 over each row, expert ids [T, k] int64, best first) for
-    rows ``x`` [T, hidden] and float32 router weights [experts, hidden]."""
+    rows ``x`` [T, hidden] and router weights [experts, hidden], the logits in float32 whatever
+    their dtypes (a bf16 router loses bits the float32 one keeps, but no batch cut changes them)."""
     _check(x, router, top_k)
     if triton_available(x.device) and x.stride(-1) == 1 and router.is_contiguous():
         return _route_triton(x, router, top_k)
@@ -54,8 +55,8 @@ def _check(x: torch.Tensor, router: torch.Tensor, top_k: int) -> None:
     if x.dim() != 2 or router.dim() != 2 or x.shape[1] != router.shape[1]:
         shapes = f"x {tuple(x.shape)}, router {tuple(router.shape)}"
         raise ValueError(f"x must be [tokens, hidden] and router [experts, hidden], got {shapes}")
-    if router.dtype != torch.float32:
-        raise TypeError(f"the router's weights must be float32, got {router.dtype}")
+    if not x.is_floating_point() or not router.is_floating_point():
+        raise TypeError(f"x and the router's weights must be floating point, got {x.dtype} and {router.dtype}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= len(router):
         raise ValueError(f"top_k must be an int in 1..{len(router)} (the experts), got {top_k!r}")
 
@@ -136,7 +137,7 @@ if triton is not None:
                 mask=(offs_e < experts)[None, :] & in_k[:, None],
                 other=0.0,
             )
-            acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         out = partial_ptr + (split.to(tl.int64) * rows + offs_m)[:, None] * EXPERTS + offs_e[None, :]
         tl.store(out, acc, mask=in_rows[:, None])
 
