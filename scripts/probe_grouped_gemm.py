@@ -7,7 +7,10 @@ expert that weighs about four times what it does at 2048 (``bench_expert_gemm.py
 grouped GEMM whose row tile is a parameter (64 or 128), over rows per expert as a skewed router
 deals them, and checks each Triton result against torch's. The Triton kernel is persistent: each
 program walks the tiles of every expert (``cdiv(rows, BLOCK_M) * cdiv(N, BLOCK_N)`` each) in turn,
-so an expert with few rows costs few tiles and the grid needs no host-side tile list.
+so an expert with few rows costs few tiles and the grid needs no host-side tile list. It comes in
+two variants: masked pointer loads (``triton_*``), and loads through tensor descriptors (``tma_*``,
+TMA on Hopper, what Triton's fast persistent matmuls use), since a plain tile loop fell behind
+cuBLAS before (the ready-flag probe in the history of the overlap-mode runs).
 
 ``python scripts/probe_grouped_gemm.py --experts 16 --hidden 4096 --inter 2048 --rows 512,2048
 --skew 0.35`` (one GPU; the kernel also runs under Triton's CPU interpreter, as its test does).
@@ -27,11 +30,14 @@ from ubatch._triton import tl, triton
 from ubatch.bench.measure import event_times_ms
 from ubatch.bench.skew import expert_counts, spread_fields
 
-CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K
+CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K; "tma": operands loaded through tensor descriptors
     "triton_m64_n128": (64, 128, 64),
     "triton_m64_n256": (64, 256, 64),
     "triton_m128_n128": (128, 128, 64),
     "triton_m128_n256": (128, 256, 64),
+    "tma_m64_n256": (64, 256, 64),
+    "tma_m128_n128": (128, 128, 64),
+    "tma_m128_n256": (128, 256, 64),
 }
 
 
@@ -95,11 +101,65 @@ if triton is not None:
                 mask=(rows < row_end)[:, None] & (cols < N)[None, :],
             )
 
+    @triton.jit
+    def _grouped_gemm_tma(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        ends_ptr,
+        num_experts,
+        rows_total,
+        N,
+        K,
+        stride_out,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EXPERTS: tl.constexpr,
+    ):
+        """``_grouped_gemm`` with both operands loaded by tensor descriptors (TMA on Hopper): x as one
+        [rows, K] tensor and w as one [experts * N, K] tensor, created once per program, so a tile
+        may read past its expert's rows or columns (zeros past the tensor's end, another expert's
+        values inside it) and only its store is masked to the expert's rows and N."""
+        x_desc = tl.make_tensor_descriptor(x_ptr, [rows_total, K], [K, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [num_experts * N, K], [K, 1], [BLOCK_N, BLOCK_K])
+        experts = tl.arange(0, EXPERTS)
+        live = experts < num_experts
+        ends = tl.load(ends_ptr + experts, mask=live, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=live & (experts > 0), other=0)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        tiles = tl.cdiv(ends - starts, BLOCK_M) * n_tiles
+        tile_ends = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+            expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+            first_tile = tl.sum(tl.where(experts < expert, tiles, 0), 0)
+            row_start = tl.sum(tl.where(experts == expert, starts, 0), 0)
+            row_end = tl.sum(tl.where(experts == expert, ends, 0), 0)
+            local = tile - first_tile
+            row = row_start + (local // n_tiles) * BLOCK_M
+            col = (local % n_tiles) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = x_desc.load([row, k])
+                b = w_desc.load([expert * N + col, k])
+                acc = tl.dot(a, b.T, acc)
+            rows = row + tl.arange(0, BLOCK_M)
+            cols = col + tl.arange(0, BLOCK_N)
+            tl.store(
+                out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=(rows < row_end)[:, None] & (cols < N)[None, :],
+            )
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, config: tuple[int, int, int]) -> torch.Tensor:
+
+def grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, config: tuple[int, int, int], *, tma: bool = False
+) -> torch.Tensor:
     """``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)`` by the Triton kernel: x [rows, K] sorted
     by expert, w [experts, N, K], ends the experts' int32 end offsets; tiles of ``config`` (BLOCK_M,
-    BLOCK_N, BLOCK_K), one persistent program per SM (four on the CPU interpreter)."""
+    BLOCK_N, BLOCK_K), one persistent program per SM (four on the CPU interpreter); ``tma``: the
+    operands through tensor descriptors (``_grouped_gemm_tma``)."""
     if triton is None:
         raise RuntimeError("the Triton grouped GEMM needs triton")
     experts, n, k = w.shape
@@ -110,6 +170,30 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, config: t
     out = x.new_empty(x.shape[0], n)
     block_m, block_n, block_k = config
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    launch = dict(
+        num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3 if block_m * block_n <= 128 * 128 else 2
+    )
+    if tma:
+        if not (x.is_contiguous() and w.is_contiguous()):
+            raise ValueError("the descriptor variant needs x and w contiguous")
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=x.device))
+        _grouped_gemm_tma[(programs,)](
+            x,
+            w,
+            out,
+            ends,
+            experts,
+            x.shape[0],
+            n,
+            k,
+            out.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EXPERTS=max(2, triton.next_power_of_2(experts)),
+            **launch,
+        )
+        return out
     _grouped_gemm[(programs,)](
         x,
         w,
@@ -127,8 +211,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, config: t
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EXPERTS=max(2, triton.next_power_of_2(experts)),
-        num_warps=8 if block_m * block_n >= 128 * 128 else 4,
-        num_stages=3 if block_m * block_n <= 128 * 128 else 2,
+        **launch,
     )
     return out
 
@@ -158,12 +241,19 @@ def main() -> None:
         for name, w in weights.items():
             x = torch.randn(e * rows, w.shape[2], device=dev, dtype=dt)
             ops = {"grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=ends)}
-            ops |= {op: (lambda cfg=cfg: grouped_gemm(x, w, ends, cfg)) for op, cfg in CONFIGS.items()}
+            ops |= {
+                op: (lambda op=op, cfg=cfg: grouped_gemm(x, w, ends, cfg, tma=op.startswith("tma")))
+                for op, cfg in CONFIGS.items()
+            }
             reference = ops["grouped_mm"]()
             tflop = 2 * e * rows * w.shape[1] * w.shape[2] / 1e12
             for op, run in ops.items():
-                ms = statistics.median(event_times_ms(run, repeats=30))
                 row = {"op": op, "proj": name, "experts": e, "rows_per_expert": rows, "skew": args.skew}
+                try:
+                    ms = statistics.median(event_times_ms(run, repeats=30))
+                except Exception as exc:  # a variant this Triton cannot build must not end the probe
+                    print(json.dumps(row | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
+                    continue
                 row |= {"ms": round(ms, 4), "TFLOPs": round(tflop / (ms / 1e3), 1), **spread}
                 if op != "grouped_mm":
                     error = (run().float() - reference.float()).abs().max() / reference.float().abs().max()

@@ -685,7 +685,7 @@ def test_mode_kernels_refuses_a_trace_dir_it_cannot_make_before_any_work(monkeyp
 
 def test_the_probes_triton_grouped_gemm_matches_per_expert_products_under_the_interpreter():
     """Experts with no rows, rows that end mid-tile, N and K that end mid-block: each expert's rows
-    times its weights, as ``torch._grouped_mm`` computes them. In float32 only: Triton 3.9's
+    times its weights, as ``torch._grouped_mm`` computes them, by pointer loads and by descriptors. In float32 only: Triton 3.9's
     interpreter multiplies bf16 blocks wrongly in ``tl.dot`` (1e10 off on 16x16 randn); the probe
     checks its bf16 results against torch's on the GPU."""
     from tests.interpreted import run_interpreted
@@ -703,14 +703,15 @@ for dtype, tol in ((torch.float32, 1e-4),):
         w = torch.randn(len(counts), n, k, generator=g).to(dtype)
         x = torch.randn(sum(counts), k, generator=g).to(dtype)
         ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-        out = probe.grouped_gemm(x, w, ends, config)
-        assert out.shape == (sum(counts), n)
-        start = 0
-        for e, rows in enumerate(counts):
-            want = x[start : start + rows].float() @ w[e].float().T
-            got = out[start : start + rows].float()
-            assert torch.allclose(got, want, atol=tol * k, rtol=tol), (dtype, counts, e, (got - want).abs().max())
-            start += rows
+        for tma in (False, True):
+            out = probe.grouped_gemm(x, w, ends, config, tma=tma)
+            assert out.shape == (sum(counts), n)
+            start = 0
+            for e, rows in enumerate(counts):
+                want = x[start : start + rows].float() @ w[e].float().T
+                got = out[start : start + rows].float()
+                assert torch.allclose(got, want, atol=tol * k, rtol=tol), (tma, counts, e, (got - want).abs().max())
+                start += rows
 print("interpreted kernel ok")
 """,
         timeout=300,
