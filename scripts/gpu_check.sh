@@ -179,6 +179,10 @@ if want modes_w8_prefill; then  # the same for prefill, a call of its own
   timeout 270 $ratio --probe-gbps 40 --out "$OUT/modes_deepseek_prefill4096_w8.json" -- $prefill \
     --preset deepseek-bench --modes overlap,pipeline2,split2,split3 2>&1 | tail -8
 fi
+if want router; then  # the batch-invariant router kernels: their GPU test, then their cost against cuBLAS's float32 path
+  timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_router.py 2>&1 | tee "$OUT/gpu_router_tests.log" | tail -3
+  timeout 60 python3 scripts/bench_router.py --rows 256,1024,4096 --experts 8,64 2>&1 | grep '^{' | tee "$OUT/router.log"
+fi
 if want targets; then  # the overlap-modes issue's points on one GPU as run 25 measured them, well inside one call:
   # 256-token decode as one rank of eight, 4096-token prefill with FULL graphs, and where decode's split goes
   decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
@@ -212,10 +216,6 @@ if want decode_kernel; then  # the Triton decode kernel (attention backend "trit
     run1 150 $common --workload decode --tokens 256,1024 --modes overlap,pipeline2,split2 --preset moe-bench \
       --attention "$attention" --out "$OUT/modes_moe_decode_nocomm_$attention.json" | tail -9
   done
-fi
-if want router; then  # the batch-invariant router kernels: their GPU test, then their cost against cuBLAS's float32 path
-  timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_router.py 2>&1 | tee "$OUT/gpu_router_tests.log" | tail -3
-  timeout 60 python3 scripts/bench_router.py --rows 256,1024,4096 --experts 8,64 2>&1 | grep '^{' | tee "$OUT/router.log"
 fi
 if want glue_kernels; then  # the rotary and RMSNorm kernels (one each, on by default on CUDA): their tests, the
   # no-comm decode modes through the default backend (the roofline share), and what the 1024-token step still spends
