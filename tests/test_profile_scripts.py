@@ -685,9 +685,9 @@ def test_mode_kernels_refuses_a_trace_dir_it_cannot_make_before_any_work(monkeyp
 
 def test_the_probes_triton_grouped_gemm_matches_per_expert_products_under_the_interpreter():
     """Experts with no rows, rows that end mid-tile, N and K that end mid-block: each expert's rows
-    times its weights, as ``torch._grouped_mm`` computes them, by pointer loads and by descriptors. In float32 only: Triton 3.9's
-    interpreter multiplies bf16 blocks wrongly in ``tl.dot`` (1e10 off on 16x16 randn); the probe
-    checks its bf16 results against torch's on the GPU."""
+    times its weights, as ``torch._grouped_mm`` computes them, by pointer loads and by descriptors.
+    In float32 only: Triton 3.9's interpreter multiplies bf16 blocks wrongly in ``tl.dot`` (1e10 off
+    on 16x16 randn); the probe checks its bf16 results against torch's on the GPU."""
     from tests.interpreted import run_interpreted
 
     run_interpreted(
