@@ -1,14 +1,17 @@
-"""The MoE router's top-k, computed so that a token's experts never depend on how its batch was cut.
+"""The MoE router's top-k as the same arithmetic for a row whatever batch holds it.
 
 Why: a token split (or a token chunk) runs the router over fewer rows than the unsplit step, and a
 GEMM library picks its kernel by row count (cuBLAS: other tiles, split-K in decode; CPU BLAS: a
-matrix-vector kernel for one row), so the same row's float32 logits can differ in the last bits
-between the two and flip a near-tie between experts. Here every row's logits come from the same
-arithmetic whatever the batch: on CUDA two Triton kernels (each program a fixed block of
-``ROWS_PER_BLOCK`` rows over a fixed ``HIDDEN_PER_PROGRAM`` slice of the hidden dim, then the
-slices summed in order, the top-k picked and its softmax taken, ties to the lower expert id);
-elsewhere a per-row reduction (``router_logits``) and ``torch.topk``. A row's logits are the same
-bits in any batch that holds it (per path: the two paths differ from each other in the last bits).
+matrix-vector kernel for one row), so the same row's float32 logits could differ in the last bits
+between the two. Here a row's logits, experts and weights are the same bits in any batch that
+holds it: on CUDA two Triton kernels (each program a fixed block of ``ROWS_PER_BLOCK`` rows over a
+fixed ``HIDDEN_PER_PROGRAM`` slice of the hidden dim, then the slices summed in order, the top-k
+picked and its softmax taken, ties to the lower expert id), which also replace the cast, GEMM,
+top-k and softmax kernels with two and do the same work per row at any split; elsewhere a per-row
+reduction (``router_logits``) and ``torch.topk``. The two paths differ from each other in the last
+bits. This removes the router's own share of a split's rounding, not the rest: in a model the rows
+that reach the router come from GEMMs over the ubatch's rows, which may round differently, so a
+near-tie between experts can still go the other way (the mode tests compare within a tolerance).
 
 The softmax over all experts renormalised over the picks is the softmax over the picked logits,
 so it is taken that way, over k values.
