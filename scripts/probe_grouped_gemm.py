@@ -44,6 +44,41 @@ CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K; "tma": operands loaded through tensor 
 if triton is not None:
 
     @triton.jit
+    def _expert_tiles(ends_ptr, num_experts, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXPERTS: tl.constexpr):
+        """(each expert's first row, end row and tile count, the tile counts' running sum, their
+        total) for rows sorted by expert with ``ends_ptr`` each expert's end offset (int32)."""
+        experts = tl.arange(0, EXPERTS)
+        live = experts < num_experts
+        ends = tl.load(ends_ptr + experts, mask=live, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=live & (experts > 0), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        return starts, ends, tiles, tl.cumsum(tiles, 0), tl.sum(tiles, 0)
+
+    @triton.jit
+    def _tile_at(
+        tile, starts, ends, tiles, tile_ends, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXPERTS: tl.constexpr
+    ):
+        """(expert, first row, the expert's end row, first column) of tile number ``tile``."""
+        experts = tl.arange(0, EXPERTS)
+        expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+        local = tile - tl.sum(tl.where(experts < expert, tiles, 0), 0)
+        row_start = tl.sum(tl.where(experts == expert, starts, 0), 0)
+        row_end = tl.sum(tl.where(experts == expert, ends, 0), 0)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        return expert, row_start + (local // n_tiles) * BLOCK_M, row_end, (local % n_tiles) * BLOCK_N
+
+    @triton.jit
+    def _store_tile(out_ptr, acc, row, col, row_end, N, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The tile's rows of its expert (below ``row_end``) and columns below N."""
+        rows = row + tl.arange(0, BLOCK_M)
+        cols = col + tl.arange(0, BLOCK_N)
+        tl.store(
+            out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(rows < row_end)[:, None] & (cols < N)[None, :],
+        )
+
+    @triton.jit
     def _grouped_gemm(
         x_ptr,
         w_ptr,
@@ -64,23 +99,12 @@ if triton is not None:
     ):
         """out[rows of e] = x[rows of e] @ w[e].T for every expert e, the rows sorted by expert and
         ``ends_ptr`` each expert's end offset (int32); each program takes every num_programs-th tile."""
-        experts = tl.arange(0, EXPERTS)
-        live = experts < num_experts
-        ends = tl.load(ends_ptr + experts, mask=live, other=0)
-        starts = tl.load(ends_ptr + experts - 1, mask=live & (experts > 0), other=0)
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        tiles = tl.cdiv(ends - starts, BLOCK_M) * n_tiles
-        tile_ends = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
+        starts, ends, tiles, tile_ends, total = _expert_tiles(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N, EXPERTS)
+        ks = tl.arange(0, BLOCK_K)
         for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-            expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-            first_tile = tl.sum(tl.where(experts < expert, tiles, 0), 0)
-            row_start = tl.sum(tl.where(experts == expert, starts, 0), 0)
-            row_end = tl.sum(tl.where(experts == expert, ends, 0), 0)
-            local = tile - first_tile
-            rows = row_start + (local // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ks = tl.arange(0, BLOCK_K)
+            expert, row, row_end, col = _tile_at(tile, starts, ends, tiles, tile_ends, N, BLOCK_M, BLOCK_N, EXPERTS)
+            rows = row + tl.arange(0, BLOCK_M)
+            cols = col + tl.arange(0, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             w_expert = w_ptr + expert.to(tl.int64) * stride_we
             for k in range(0, K, BLOCK_K):
@@ -95,11 +119,7 @@ if triton is not None:
                     other=0.0,
                 )
                 acc = tl.dot(a, b, acc)
-            tl.store(
-                out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=(rows < row_end)[:, None] & (cols < N)[None, :],
-            )
+            _store_tile(out_ptr, acc, row, col, row_end, N, stride_out, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _grouped_gemm_tma(
@@ -123,34 +143,15 @@ if triton is not None:
         values inside it) and only its store is masked to the expert's rows and N."""
         x_desc = tl.make_tensor_descriptor(x_ptr, [rows_total, K], [K, 1], [BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, [num_experts * N, K], [K, 1], [BLOCK_N, BLOCK_K])
-        experts = tl.arange(0, EXPERTS)
-        live = experts < num_experts
-        ends = tl.load(ends_ptr + experts, mask=live, other=0)
-        starts = tl.load(ends_ptr + experts - 1, mask=live & (experts > 0), other=0)
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        tiles = tl.cdiv(ends - starts, BLOCK_M) * n_tiles
-        tile_ends = tl.cumsum(tiles, 0)
-        total = tl.sum(tiles, 0)
+        starts, ends, tiles, tile_ends, total = _expert_tiles(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N, EXPERTS)
         for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-            expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-            first_tile = tl.sum(tl.where(experts < expert, tiles, 0), 0)
-            row_start = tl.sum(tl.where(experts == expert, starts, 0), 0)
-            row_end = tl.sum(tl.where(experts == expert, ends, 0), 0)
-            local = tile - first_tile
-            row = row_start + (local // n_tiles) * BLOCK_M
-            col = (local % n_tiles) * BLOCK_N
+            expert, row, row_end, col = _tile_at(tile, starts, ends, tiles, tile_ends, N, BLOCK_M, BLOCK_N, EXPERTS)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 a = x_desc.load([row, k])
                 b = w_desc.load([expert * N + col, k])
                 acc = tl.dot(a, b.T, acc)
-            rows = row + tl.arange(0, BLOCK_M)
-            cols = col + tl.arange(0, BLOCK_N)
-            tl.store(
-                out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=(rows < row_end)[:, None] & (cols < N)[None, :],
-            )
+            _store_tile(out_ptr, acc, row, col, row_end, N, stride_out, BLOCK_M, BLOCK_N)
 
 
 def grouped_gemm(
@@ -171,7 +172,12 @@ def grouped_gemm(
     block_m, block_n, block_k = config
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     launch = dict(
-        num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3 if block_m * block_n <= 128 * 128 else 2
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EXPERTS=max(2, triton.next_power_of_2(experts)),
+        num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+        num_stages=3 if block_m * block_n <= 128 * 128 else 2,
     )
     if tma:
         if not (x.is_contiguous() and w.is_contiguous()):
@@ -187,10 +193,6 @@ def grouped_gemm(
             n,
             k,
             out.stride(0),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EXPERTS=max(2, triton.next_power_of_2(experts)),
             **launch,
         )
         return out
@@ -207,10 +209,6 @@ def grouped_gemm(
         w.stride(1),
         w.stride(2),
         out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EXPERTS=max(2, triton.next_power_of_2(experts)),
         **launch,
     )
     return out
