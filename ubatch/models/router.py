@@ -30,6 +30,11 @@ HIDDEN_PER_PROGRAM = 256
 """The hidden-dim slice of one Triton program: a 4096-wide router runs 16 programs per row block,
 so a 256-token decode step still fills the GPU (128 programs)."""
 _BLOCK_K = 32
+_DOT_PRECISION = "tf32x3"
+"""Three tf32 tensor-core products per block, about float32's precision: on one H100 the kernels
+then take 0.11 ms at 4096 rows and 64 experts against cuBLAS's float32 path's 0.15 (0.38 with
+float32 FMA, "ieee"), and pick the same experts as it on every row; one tf32 product ("tf32")
+picked others on 41 of 4096 rows. Any fixed choice keeps a row's bits the same in every batch."""
 _PRODUCT_BYTES = 64 << 20
 
 
@@ -87,6 +92,7 @@ def _route_triton(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[to
         BLOCK_K=_BLOCK_K,
         SPAN=HIDDEN_PER_PROGRAM,
         EXPERTS=padded_experts,
+        PRECISION=_DOT_PRECISION,
     )
     _top_k_kernel[(row_blocks,)](
         partial,
@@ -118,8 +124,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         SPAN: tl.constexpr,
         EXPERTS: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
-        """partial[split, rows of this block, :] = x[rows, slice] @ router[:, slice].T in float32,
+        """partial[split, rows of this block, :] = x[rows, slice] @ router[:, slice].T (tf32x3, into float32),
         the slice the program's ``SPAN`` columns of the hidden dim, summed in column order."""
         block = tl.program_id(0)
         split = tl.program_id(1)
@@ -140,7 +147,7 @@ if triton is not None:
                 mask=(offs_e < experts)[None, :] & in_k[:, None],
                 other=0.0,
             )
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
         out = partial_ptr + (split.to(tl.int64) * rows + offs_m)[:, None] * EXPERTS + offs_e[None, :]
         tl.store(out, acc, mask=in_rows[:, None])
 
