@@ -28,6 +28,7 @@ from ubatch.context import set_forward_context
 from ubatch.cudagraph import sizes_with_multiples
 from ubatch.graphed import GraphedModel, uniform_token_count
 from ubatch.models import Decoder
+from ubatch.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class DraftModel:
             live = [i for i in rows if requests[i].num_drafts > step]
             if len(live) < len(rows):  # requests that drafted enough drop out (live is a subset of rows)
                 position = {r: p for p, r in enumerate(rows)}
-                last = last[torch.tensor([position[i] for i in live], device=last.device)]
+                last = last[upload([position[i] for i in live], torch.int64, last.device)]
             rows = live
             last = self.draft_step([requests[i] for i in rows], last, step, skip_attention=skip_attention)
             produced.append((rows, last))
@@ -187,7 +188,7 @@ class DraftModel:
         ):
             starts = [len(r.token_ids) - w for r in requests]
         token_ids = [t for r, start in zip(requests, starts) for t in r.token_ids[start:]]
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
+        ids = upload(token_ids, torch.int64, self.model.device)
         chunks = [(r, start, len(r.token_ids) - start) for r, start in zip(requests, starts)]
         return self._forward(chunks, ids, skip_attention=skip_attention)
 
@@ -213,14 +214,14 @@ class DraftModel:
             last.append(len(positions) - 1)
         width = max(len(r.blocks) for r, _, _ in chunks)
         table = torch.tensor([list(r.blocks) + [0] * (width - len(r.blocks)) for r, _, _ in chunks], dtype=torch.int32)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        slot_mapping = upload(slots, torch.int64, device)
         metadata = build_attention_metadata(
             [n for _, _, n in chunks], [s + n for _, s, n in chunks], table, slot_mapping, device=device
         )
-        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        pos = upload(positions, torch.int64, device)
         with torch.inference_mode(), self._bound_cache():
             hidden = self._run(input_ids, pos, metadata, skip_attention=skip_attention)
-            index = torch.tensor(last, dtype=torch.int64, device=device)
+            index = upload(last, torch.int64, device)
             tokens = self.model.compute_logits(hidden[index]).argmax(dim=-1)
         self._clear_overflow()
         return tokens

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ubatch.uploads import host_and_device, upload
+
 
 @dataclass
 class AttentionMetadata:
@@ -85,33 +87,21 @@ def build_attention_metadata(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    query_start_loc_cpu, query_start_loc = _host_and_device(starts, device)
-    seq_lens_cpu, seq_lens_device = _host_and_device(seq_lens, device)
+    # uploaded without a stream sync, so that each ubatch's metadata, built at every split step,
+    # does not hold the host until the GPU has drained the previous step (run 20's traces)
+    query_start_loc_cpu, query_start_loc = host_and_device(starts, torch.int32, device)
+    seq_lens_cpu, seq_lens_device = host_and_device(seq_lens, torch.int32, device)
     return AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens_device,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
-        block_table=block_table.to(device=device, dtype=torch.int32),
-        slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+        block_table=upload(block_table, torch.int32, device),
+        slot_mapping=upload(slot_mapping, torch.int64, device),
         query_start_loc_cpu=query_start_loc_cpu,
         seq_lens_cpu=seq_lens_cpu,
         causal=causal,
     )
-
-
-def _host_and_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` as int32 on the host and on ``device``. On CUDA the host copy is pinned and the
-    upload does not wait: a copy from pageable memory synchronizes the stream, so every ubatch's
-    metadata, built at each split step, would hold the host until the GPU had drained the previous
-    step and the next step's first kernels would launch just in time (run 20's traces). While a
-    graph is captured it copies as before: a captured copy would read the pinned buffer at every
-    replay, long after it is freed."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return host, host.to(device)
-    host = host.pin_memory()
-    return host, host.to(device, non_blocking=True)
 
 
 def split_attn_metadata(metadata: AttentionMetadata, slices: Sequence[Any]) -> list[AttentionMetadata]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ubatch.attention import build_attention_metadata
+from ubatch.uploads import upload
 
 
 @dataclass
@@ -110,7 +111,8 @@ def build_batch_inputs(
 ) -> BatchInputs:
     """Flattened token ids / positions, block table, slot mapping and attention metadata,
     padded at the end to ``num_tokens_padded`` (padding: token 0, position 0, slot -1; no
-    chunks at all makes a step of padding only)."""
+    chunks at all makes a step of padding only), uploaded without a stream sync (``ubatch.uploads``),
+    so a runner can build the next step while the GPU runs this one."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -131,7 +133,7 @@ def build_batch_inputs(
     input_ids += [0] * pad
     positions += [0] * pad
     slots += [-1] * pad
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    slot_mapping = upload(slots, torch.int64, device)
     metadata = build_attention_metadata(
         [c.query_len for c in chunks],
         [c.start + c.query_len for c in chunks],
@@ -140,10 +142,10 @@ def build_batch_inputs(
         device=device,
     )
     return BatchInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=upload(input_ids, torch.int64, device),
+        positions=upload(positions, torch.int64, device),
         attn_metadata={name: metadata for name in layer_names},
         slot_mapping={name: metadata.slot_mapping for name in layer_names},
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=upload(logits_indices, torch.int64, device),
         num_tokens=len(input_ids),
     )
