@@ -716,3 +716,43 @@ print("interpreted kernel ok")
 """,
         timeout=300,
     )
+
+
+def test_proxy_link_probe_refuses_to_run_without_a_gpu(monkeypatch, capsys):
+    probe = _load("probe_proxy_link")
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["probe_proxy_link.py"])
+    with pytest.raises(SystemExit) as exc:
+        probe.main()
+    assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_proxy_link_host_thread_waits_the_links_time_for_the_bytes_it_is_given():
+    import ctypes
+    import time
+
+    probe = _load("probe_proxy_link")
+    library = probe._c_proxy()
+    if library is None:
+        pytest.skip("no C compiler")
+    doorbell, done, nbytes = (ctypes.c_uint32 * 2)(), (ctypes.c_uint32 * 2)(), ctypes.c_uint64(0)
+    state = probe._Proxy(
+        doorbell=ctypes.addressof(doorbell),
+        done=ctypes.addressof(done),
+        bytes=ctypes.addressof(nbytes),
+        bytes_per_ns=1.0,  # 1 GB/s
+        latency_ns=0.0,
+    )
+    assert library.proxy_start(ctypes.byref(state)) == 0
+    try:
+        for size in (0, 20_000_000):  # 20 ms at 1 GB/s
+            nbytes.value, done[0] = size, 0
+            start = time.perf_counter()
+            doorbell[0] = 1
+            while done[0] != 1:
+                assert time.perf_counter() - start < 5, "the host thread never completed the transfer"
+            elapsed = time.perf_counter() - start
+            assert doorbell[0] == 0 and elapsed >= size / 1e9
+    finally:
+        library.proxy_stop(ctypes.byref(state))
+    assert state.seen == 2
