@@ -4,9 +4,9 @@
 which synchronizes: the host waits until the GPU has drained every earlier kernel, so a serving loop
 that builds its next step's inputs while the current step runs would launch that step just in time.
 A copy from pinned memory with ``non_blocking=True`` does not wait, and torch's pinned-memory cache
-keeps the host buffer until the copy has read it. While a CUDA graph is being captured the copy
-stays blocking: a captured copy would read the pinned buffer at every replay, long after it is
-freed.
+keeps the host buffer until the copy has read it. Nothing is uploaded while a CUDA graph is being
+captured: a captured copy would read its host buffer at every replay, long after it is freed (torch
+refuses a pageable one outright). Upload before capturing and copy into the graph's static inputs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,14 @@ def upload(
     the host to a GPU without a stream sync (see the module docstring)."""
     source = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     device = torch.device(device)
-    if device.type != "cuda" or source.device.type != "cpu" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or source.device.type != "cpu":
         return source.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"upload of {tuple(source.shape)} host values while a CUDA graph is being captured: the captured "
+            "copy would read a freed host buffer at every replay; upload before capture and copy into the "
+            "graph's static inputs"
+        )
     return source.pin_memory().to(device, non_blocking=True)
 
 
