@@ -35,6 +35,7 @@ PROBE_REPEATS = 3
 COPY_ENGINE_SHARE = 0.9  # above this share of the copy engines' speed the pacing has no room left
 RATIO_TOLERANCE = 0.05  # a probe this close (relative) to the asked M / C sets the link as it ran
 MAX_PROBES = 2
+PROXY_MAX_GBPS = 1000.0  # a proxy link has no copy engine to cap it: the fastest it is set to
 
 
 class Probe(NamedTuple):
@@ -62,11 +63,12 @@ def probe_flags(flags: list[str], link: str) -> list[str]:
     return [*probe, "--repeats", str(PROBE_REPEATS), "--link", link]
 
 
-def link_for_ratio(ratio: float, probes: list[Probe], copy_gbps: float | None) -> str:
-    """The bandwidth that makes M ``ratio`` times the last probe's C, as a --link value without the
-    world size; "" (the copy engines' speed) where that is as fast as they go or no bandwidth
-    reaches it. M is bytes / bandwidth from one probe, and fixed part + bytes / bandwidth through the
-    last two (back to the first model where their M does not fall with bandwidth: noise)."""
+def link_for_ratio(ratio: float, probes: list[Probe], copy_gbps: float | None, kind: str = "host") -> str:
+    """The bandwidth that makes M ``ratio`` times the last probe's C, as a --link value of ``kind``
+    (host or proxy) without the world size; for a host link "" (the copy engines' speed) where that
+    is as fast as they go or no bandwidth reaches it, for a proxy link ``PROXY_MAX_GBPS`` there.
+    M is bytes / bandwidth from one probe, and fixed part + bytes / bandwidth through the last two
+    (back to the first model where their M does not fall with bandwidth: noise)."""
     last = probes[-1]
     latency, transfer = 0.0, last.comm_ms * last.gbps  # ms, and ms * GB/s (the bytes)
     if len(probes) > 1 and probes[-2].gbps != last.gbps:
@@ -74,19 +76,26 @@ def link_for_ratio(ratio: float, probes: list[Probe], copy_gbps: float | None) -
         slope = (before.comm_ms - last.comm_ms) / (1 / before.gbps - 1 / last.gbps)
         if slope > 0:
             latency, transfer = last.comm_ms - slope / last.gbps, slope
+    fastest = f"proxy:{PROXY_MAX_GBPS:g}" if kind == "proxy" else "host:"
     wanted = ratio * last.compute_ms - latency
     if wanted <= 0:
-        return "host:"
+        return fastest
     gbps = transfer / wanted
-    if copy_gbps is not None and gbps >= COPY_ENGINE_SHARE * copy_gbps:
-        return "host:"
-    return f"host:{gbps:.3g}"
+    if kind == "host" and copy_gbps is not None and gbps >= COPY_ENGINE_SHARE * copy_gbps:
+        return fastest
+    return f"{kind}:{min(gbps, PROXY_MAX_GBPS) if kind == 'proxy' else gbps:.3g}"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ratio", type=float, required=True, help="M / C to aim at, e.g. 0.9")
     p.add_argument("--world", type=int, default=2, help="the stand-in's world size W (default 2)")
+    p.add_argument(
+        "--kind",
+        choices=("host", "proxy"),
+        default="host",
+        help="the stand-in: host (copy engines, ubatch.link) or proxy (a paced host thread, ubatch.proxy_link)",
+    )
     p.add_argument("--probe-gbps", type=float, default=10.0, help="bandwidth of the probe run")
     p.add_argument("--out", type=Path, required=True, help="the sweep's report")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the sweep's ubatch-bench flags, with --modes")
@@ -101,19 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     gbps = args.probe_gbps
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(MAX_PROBES):
-            report = bench(probe_flags(flags, f"host:{gbps:g}:w{args.world}"), Path(tmp) / f"probe{n}.json")
+            report = bench(probe_flags(flags, f"{args.kind}:{gbps:g}:w{args.world}"), Path(tmp) / f"probe{n}.json")
             unsplit = next(row for row in report["results"] if row["mode"] == "unsplit")
             c, m = unsplit["compute_ms"], unsplit["comm_ms"]
             probes.append(Probe(gbps, c, m))
             copy_gbps = report["setup"].get("link", {}).get("copy_engine_gbps")
             print(f"probe at {gbps:g} GB/s: C {c:.3f} ms, M {m:.3f} ms, M / C {m / c:.2f}")
             if abs(m / c / args.ratio - 1) <= RATIO_TOLERANCE:
-                link = f"host:{gbps:g}"
+                link = f"{args.kind}:{gbps:g}"
                 break
-            link = link_for_ratio(args.ratio, probes, copy_gbps)
+            link = link_for_ratio(args.ratio, probes, copy_gbps, args.kind)
             if link == "host:":
                 break
-            gbps = float(link.removeprefix("host:"))
+            gbps = float(link.split(":")[1])
     link = f"{link}:w{args.world}"
     print(f"M / C {args.ratio:g} asks --link {link}")
     report = bench([*flags, "--link", link], args.out)

@@ -276,11 +276,14 @@ def test_world_and_rank_are_what_models_shard_for():
         ("host:12.5:w4", 4, 12.5),
         ("host::w8", 8, None),
         ("host:50:w1", 1, 50.0),
+        ("proxy:100:w8", 8, 100.0),
+        ("proxy:12.5", 2, 12.5),
     ],
 )
 def test_parse_link(text, world, gbps):
     link = parse_link(text)
     assert (link.world_size, link.bandwidth_gbps) == (world, gbps)
+    assert type(link).__name__ == ("ProxyLink" if text.startswith("proxy") else "HostLink")
 
 
 @pytest.mark.parametrize(
@@ -298,6 +301,9 @@ def test_parse_link(text, world, gbps):
         "host:25:w0",
         "host:25:wx",
         "host:25:w4:1",
+        "proxy",
+        "proxy::w8",
+        "proxy:0",
     ],
 )
 def test_parse_link_names_the_bad_text(text):

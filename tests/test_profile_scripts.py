@@ -756,3 +756,9 @@ def test_proxy_link_host_thread_waits_the_links_time_for_the_bytes_it_is_given()
     finally:
         library.proxy_stop(ctypes.byref(state))
     assert state.seen == 2
+
+
+def test_sweep_at_ratio_proxy_links_have_no_copy_engine_cap():
+    probe = [sweep_at_ratio.Probe(10.0, 10.0, 15.0)]  # 150 ms * GB/s of bytes
+    assert sweep_at_ratio.link_for_ratio(0.5, probe, copy_gbps=32.0, kind="proxy") == "proxy:30"
+    assert sweep_at_ratio.link_for_ratio(0.001, probe, None, kind="proxy") == "proxy:1e+03"

@@ -13,6 +13,7 @@ from ubatch.cudagraph import BatchExecutionDescriptor, CudaGraphManager
 from ubatch.link import HostLink
 from ubatch.overlap import OverlapMode
 from ubatch.policy import ModePolicy, SplitPolicy, StepCosts, calibrate
+from ubatch.proxy_link import ProxyLink
 from ubatch.scheduler import MAX_UBATCHES, current_ubatch_id, join_ubatches, yield_ubatch
 from ubatch.slicing import UBatchSlice, register_metadata_splitter, split_batch
 from ubatch.wrapper import UBatchWrapper
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_UBATCHES",
     "ModePolicy",
     "OverlapMode",
+    "ProxyLink",
     "SplitPolicy",
     "StepCosts",
     "UBatchSlice",

@@ -139,15 +139,19 @@ def is_link(group: Any) -> bool:
 
 
 def parse_link(text: str) -> HostLink | None:
-    """A HostLink from a CLI flag: ``host`` (copy-engine speed, world 2), ``host:25`` (25 GB/s),
-    ``host:25:w4`` (world size 4), ``host::w4`` (copy-engine speed, world 4); ``none``: None."""
+    """A link stand-in from a CLI flag: ``host`` (copy-engine speed, world 2), ``host:25`` (25 GB/s),
+    ``host:25:w4`` (world size 4), ``host::w4`` (copy-engine speed, world 4); ``proxy:100:w8`` (a
+    ``ubatch.proxy_link.ProxyLink`` at 100 GB/s, world 8; it needs a bandwidth); ``none``: None."""
     if not isinstance(text, str):
         raise TypeError(f"link must be a str, got {type(text).__name__}")
     if text == "none":
         return None
-    usage = f"link {text!r}: expected none, host, host:GBPS, host:GBPS:wWORLD or host::wWORLD (e.g. host:25:w4)"
+    usage = (
+        f"link {text!r}: expected none, host, host:GBPS, host:GBPS:wWORLD, host::wWORLD (e.g. host:25:w4) "
+        "or proxy:GBPS[:wWORLD]"
+    )
     parts = text.split(":")
-    if parts[0] != "host" or len(parts) > 3 or (len(parts) == 2 and not parts[1]):
+    if parts[0] not in ("host", "proxy") or len(parts) > 3 or (len(parts) == 2 and not parts[1]):
         raise ValueError(usage)
     bandwidth = None
     if len(parts) > 1 and parts[1]:
@@ -163,6 +167,12 @@ def parse_link(text: str) -> HostLink | None:
         if not (world.startswith("w") and world[1:].isdigit() and int(world[1:]) >= 1):
             raise ValueError(f"{usage}; world size {world!r} must be w followed by an integer >= 1")
         world_size = int(world[1:])
+    if parts[0] == "proxy":
+        if bandwidth is None:
+            raise ValueError(f"{usage}; a proxy link needs a bandwidth (proxy:GBPS)")
+        from ubatch.proxy_link import ProxyLink
+
+        return ProxyLink(world_size, bandwidth)
     return HostLink(world_size, bandwidth)
 
 
@@ -424,7 +434,7 @@ class HostLink:
             return self._cpu_work(name, moved, async_op)
         with torch.cuda.device(self.device):
             data = _bytes(tensor)
-            self._staging().round_trip(data, data, moved)
+            self._transfer(data, data, moved, torch.cuda.current_stream())
             _in_use_until_done(tensor)
         return self._cuda_work(name, moved, async_op)
 
@@ -481,12 +491,18 @@ class HostLink:
             return self._cpu_work(op, moved, async_op)
         with torch.cuda.device(self.device):
             src, dst = _bytes(input), _bytes(output)
+            data_stream = own_part_stream or torch.cuda.current_stream()
             if own and output.data_ptr() != input.data_ptr():
-                with torch.cuda.stream(own_part_stream or torch.cuda.current_stream()):
+                with torch.cuda.stream(data_stream):
                     dst[:own].copy_(src[:own])
-            self._staging().round_trip(src[own:], dst[own:], moved)
+            self._transfer(src[own:], dst[own:], moved, data_stream)
             _in_use_until_done(input, output)
         return self._cuda_work(op, moved, async_op)
+
+    def _transfer(self, src: torch.Tensor, dst: torch.Tensor, moved: int, data_stream: torch.cuda.Stream) -> None:
+        """Move ``moved`` bytes of ``src`` into ``dst`` over the link, ordered on the current stream
+        (``data_stream``: where a same-device copy may run; the staging here needs none)."""
+        self._staging().round_trip(src, dst, moved)
 
     def _cpu_work(self, op: str, moved: int, async_op: bool) -> LinkWork | None:
         seconds = moved / ((self.bandwidth_gbps or DEFAULT_CPU_GBPS) * 1e9)

@@ -1,0 +1,82 @@
+"""``ubatch.proxy_link``: the CPU link it shares with HostLink, its host thread's pacing (on the CPU,
+with a mailbox in ordinary memory standing for the pinned one), and on a GPU: values, graph capture
+and replay, and the transfers the thread served."""
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+from ubatch.link import is_link
+from ubatch.proxy_link import ProxyLink, _Mailbox, proxy_library
+
+
+def _compiler_or_skip():
+    try:
+        return proxy_library()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+def test_needs_a_bandwidth_and_is_a_link():
+    with pytest.raises(ValueError, match="needs a bandwidth"):
+        ProxyLink(2, None)
+    link = ProxyLink(4, 50.0, device="cpu")
+    assert is_link(link) and link.size() == 4 and repr(link) == "ProxyLink(world_size=4, bandwidth_gbps=50.0)"
+
+
+def test_cpu_link_leaves_values_and_charges_a_rank_of_w():
+    link = ProxyLink(4, 1000.0, device="cpu")
+    x = torch.randn(8, 3)
+    out = torch.zeros_like(x)
+    link.all_to_all_single(out, x)
+    assert torch.equal(out, x) and link.bytes_moved == x.nbytes * 3 // 4
+    info = link.describe()
+    assert info["kind"] == "proxy-link stand-in" and info["bandwidth_set_gbps"] == 1000.0
+
+
+def test_host_thread_waits_the_links_time_less_its_overhead():
+    library = _compiler_or_skip()
+    mailbox = _Mailbox(bytes_per_ns=1.0, overhead_ns=2e6)  # 1 GB/s; 2 ms of the time is the round trip's
+    assert library.proxy_start(ctypes.addressof(mailbox)) == 0
+    try:
+        for size, at_least in ((0, 0.0), (20_000_000, 0.018)):  # 20 ms at 1 GB/s, less the 2 ms
+            mailbox.bytes, mailbox.done = size, 0
+            start = time.perf_counter()
+            mailbox.doorbell = 1
+            while mailbox.done != 1:
+                assert time.perf_counter() - start < 5, "the host thread never completed the transfer"
+            assert time.perf_counter() - start >= at_least and mailbox.doorbell == 0
+    finally:
+        library.proxy_stop(ctypes.addressof(mailbox))
+    assert mailbox.served == 2
+
+
+@pytest.mark.cuda
+def test_cuda_values_capture_and_replay_served_by_the_thread():
+    _compiler_or_skip()
+    link = ProxyLink(4, 50.0)
+    link.prepare()
+    info = link.describe()
+    assert info["overhead_us"] > 0 and info["bandwidth_reached_gbps"] > 0
+    served = link._proxy.mailbox.served
+    static_in = torch.randn(4, 1 << 16, device="cuda")
+    static_out = torch.zeros_like(static_in)
+    reduced = torch.zeros_like(static_in)
+    link.all_to_all_single(static_out, static_in)
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, static_in) and link._proxy.mailbox.served == served + 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        link.all_to_all_single(static_out, static_in)
+        reduced.copy_(static_out)
+        link.all_reduce(reduced)
+    for _ in range(3):
+        static_in.copy_(torch.randn_like(static_in))
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, static_in) and torch.equal(reduced, static_in)
+    assert link._proxy.mailbox.served == served + 1 + 3 * 2
+    link.close()

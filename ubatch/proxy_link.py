@@ -1,0 +1,279 @@
+"""A link stand-in paced by a host thread, as a NIC's proxy paces a transfer: no SM, any bandwidth.
+
+``HostLink`` moves each collective's bytes through pinned memory on the copy engines, so it cannot
+model a link faster than they go (about 41 GB/s on an H100, below one 400 Gb/s NIC per GPU), and
+its staging adds a stretch of its own (the last piece of each collective returns after the rest).
+``ProxyLink`` keeps HostLink's contract (a world of one that charges the bytes a rank of
+``world_size`` sends; see ``ubatch.link``) and times each transfer the way a network proxy does:
+
+- the comm stream writes the payload's size and rings a doorbell in pinned host memory, then waits
+  on a completion flag there (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``: stream memory
+  operations, no kernel, capturable in CUDA graphs);
+- a host thread (C, compiled on first use with the system's C compiler, as Triton compiles its
+  launchers) sees the doorbell, waits ``bytes / bandwidth`` less the round trip the doorbell and the
+  flag cost anyway (``overhead_us``, measured at ``prepare()``: 13-16 us on an H100), and sets the
+  flag. A transfer thus takes max(overhead, bytes / bandwidth), one after another as on one
+  communicator.
+
+The values move as a same-device copy on the stream that produced the input (``own_part_stream``,
+as HostLink's own part), joined to the comm stream before the collective completes, so a consumer
+that waits reads them. Unlike HostLink, the output is written when the collective starts: a
+consumer that skips its wait reads fresh data here, so tests of waits use HostLink or the CPU link.
+
+On the CPU a ProxyLink is HostLink's CPU link (a deadline per transfer, no thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import statistics
+import subprocess
+import tempfile
+from typing import Any
+
+import torch
+
+from ubatch.link import HostLink
+
+CALIBRATION_TRANSFERS = 32  # empty transfers timed at prepare(): the median is the fixed overhead
+REACHED_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
+
+_PROXY_SOURCE = r"""
+#include <stdint.h>
+#include <pthread.h>
+#include <time.h>
+
+/* One link's mailbox, in pinned host memory: the GPU writes bytes and doorbell, the host done. */
+typedef struct {
+    volatile uint32_t doorbell;  /* 1: a transfer of `bytes` bytes has started */
+    volatile uint32_t done;      /* 1: its time on the link is up (the GPU resets it to 0) */
+    volatile uint64_t bytes;
+    double bytes_per_ns;         /* GB/s */
+    double overhead_ns;          /* the doorbell's and the flag's own round trip, not waited again */
+    volatile int32_t stop;
+    int32_t unused;
+    volatile uint64_t served;
+    pthread_t thread;
+} mailbox_t;
+
+static double now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+
+static void *serve(void *arg) {
+    mailbox_t *m = (mailbox_t *)arg;
+    while (!m->stop) {
+        if (m->doorbell != 1) continue;
+        double start = now_ns();
+        m->doorbell = 0;
+        __sync_synchronize();
+        double end = start + (double)m->bytes / m->bytes_per_ns - m->overhead_ns;
+        while (now_ns() < end) {}
+        __sync_synchronize();
+        m->done = 1;
+        m->served++;
+    }
+    return 0;
+}
+
+int proxy_start(mailbox_t *m) { return pthread_create(&m->thread, 0, serve, m); }
+
+int proxy_stop(mailbox_t *m) {
+    m->stop = 1;
+    return pthread_join(m->thread, 0);
+}
+"""
+
+
+class _Mailbox(ctypes.Structure):
+    _fields_ = [
+        ("doorbell", ctypes.c_uint32),
+        ("done", ctypes.c_uint32),
+        ("bytes", ctypes.c_uint64),
+        ("bytes_per_ns", ctypes.c_double),
+        ("overhead_ns", ctypes.c_double),
+        ("stop", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("served", ctypes.c_uint64),
+        ("thread", ctypes.c_ulong),
+    ]
+
+
+_DONE_OFFSET = _Mailbox.done.offset
+_BYTES_OFFSET = _Mailbox.bytes.offset
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+_library: ctypes.CDLL | None = None
+_driver: ctypes.CDLL | None = None
+
+
+def proxy_library() -> ctypes.CDLL:
+    """The compiled proxy thread (built once per source version into the temp directory)."""
+    global _library
+    if _library is None:
+        digest = hashlib.sha256(_PROXY_SOURCE.encode()).hexdigest()[:16]
+        folder = os.path.join(tempfile.gettempdir(), f"ubatch-proxy-{os.getuid()}")
+        os.makedirs(folder, exist_ok=True)
+        library = os.path.join(folder, f"proxy_{digest}.so")
+        if not os.path.exists(library):
+            source = os.path.join(folder, f"proxy_{digest}.c")
+            with open(source, "w") as f:
+                f.write(_PROXY_SOURCE)
+            errors = []
+            for compiler in (os.environ.get("CC"), "cc", "gcc", "clang"):
+                if not compiler:
+                    continue
+                partial = f"{library}.{os.getpid()}"
+                command = [compiler, "-O2", "-shared", "-fPIC", "-pthread", source, "-o", partial]
+                try:
+                    subprocess.run(command, check=True, capture_output=True, text=True)
+                except (OSError, subprocess.CalledProcessError) as exc:
+                    errors.append(f"{compiler}: {getattr(exc, 'stderr', '') or exc}")
+                    continue
+                os.replace(partial, library)
+                break
+            else:
+                raise RuntimeError(f"ProxyLink needs a C compiler to build its host thread; tried: {errors}")
+        _library = ctypes.CDLL(library)
+        _library.proxy_start.argtypes = _library.proxy_stop.argtypes = [ctypes.c_void_p]
+    return _library
+
+
+def _cuda_driver() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        driver = ctypes.CDLL("libcuda.so.1")
+        for name in ("cuStreamWriteValue32", "cuStreamWaitValue32", "cuStreamWriteValue64"):
+            fn = getattr(driver, name + "_v2", None) or getattr(driver, name)
+            value = ctypes.c_uint64 if name.endswith("64") else ctypes.c_uint32
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, value, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        driver.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        _driver = driver
+    return _driver
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"ProxyLink: {what} failed with CUresult {result}")
+
+
+class _ProxyThread:
+    """The pinned mailbox, its host thread and the comm-stream side of one ProxyLink on one device."""
+
+    def __init__(self, device: torch.device, bandwidth_gbps: float) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "ProxyLink was first used inside a CUDA graph capture: it must start its host thread and "
+                "calibrate outside one. Call link.prepare() (or run the step once eagerly) before capturing"
+            )
+        self.device = device
+        self.memory = torch.zeros(ctypes.sizeof(_Mailbox), dtype=torch.uint8, pin_memory=True)
+        self.mailbox = _Mailbox.from_address(self.memory.data_ptr())
+        self.mailbox.bytes_per_ns = bandwidth_gbps
+        driver = _cuda_driver()
+        pointer = ctypes.c_uint64()
+        _check(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), self.memory.data_ptr(), 0), "mapping")
+        self.base = pointer.value
+        self.driver = driver
+        self.done = torch.cuda.Event()
+        self.last_stream: Any = None
+        self.library = proxy_library()
+        _check(self.library.proxy_start(ctypes.addressof(self.mailbox)), "starting the host thread")
+        self.overhead_us = statistics.median(self._time_us(0) for _ in range(CALIBRATION_TRANSFERS))
+        self.mailbox.overhead_ns = self.overhead_us * 1e3
+        self.reached_gbps = {n: n / (self._time_us(n) * 1e3) for n in REACHED_BYTES}
+
+    def close(self) -> None:
+        if self.library is not None:
+            self.library.proxy_stop(ctypes.addressof(self.mailbox))
+            self.library = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def transfer(self, nbytes: int) -> None:
+        """Hold the current stream for ``nbytes`` over the link: size, doorbell, wait, re-arm."""
+        stream = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing and self.last_stream is not None and self.last_stream != stream:
+            stream.wait_event(self.done)  # one mailbox: the previous stream's transfer goes first
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
+        _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
+        _check(self.driver.cuStreamWaitValue32(handle, self.base + _DONE_OFFSET, 1, _WAIT_EQ), "waiting")
+        _check(self.driver.cuStreamWriteValue32(handle, self.base + _DONE_OFFSET, 0, 0), "re-arming")
+        if not capturing:
+            self.done.record(stream)
+            self.last_stream = stream
+
+    def _time_us(self, nbytes: int) -> float:
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.transfer(nbytes)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+
+class ProxyLink(HostLink):
+    """A world of one that charges the bytes of a world of ``world_size`` to a link that a host
+    thread paces at ``bandwidth_gbps`` (see the module docstring)."""
+
+    def __init__(self, world_size: int, bandwidth_gbps: float, *, device: torch.device | str | None = None) -> None:
+        if bandwidth_gbps is None:
+            raise ValueError("ProxyLink needs a bandwidth in GB/s (it has no copy engine speed to default to)")
+        super().__init__(world_size, bandwidth_gbps, device=device)
+        self._proxy: _ProxyThread | None = None
+
+    def __repr__(self) -> str:
+        return f"ProxyLink(world_size={self.world_size}, bandwidth_gbps={self.bandwidth_gbps})"
+
+    def prepare(self, device: torch.device | str | None = None) -> None:
+        """Start the host thread and measure its overhead, as the first collective would; call it
+        before capturing a graph that uses a link nothing has run over yet. A no-op on CPU."""
+        if device is None:
+            device = self.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._bind(torch.device(device), "prepare(device)")
+        if self.device.type == "cuda":
+            self._thread()
+
+    def close(self) -> None:
+        """Stop the host thread (it spins a CPU core while the link lives). Graphs that captured the
+        link must not be replayed after this."""
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
+
+    def describe(self) -> dict[str, Any]:
+        """The link for reports; every figure that uses it must say it is the stand-in."""
+        row = super().describe()
+        row.update(kind="proxy-link stand-in", copy_engine_gbps=None)
+        if self._proxy is not None:
+            by_bytes = self._proxy.reached_gbps
+            row.update(
+                bandwidth_reached_gbps=by_bytes[REACHED_BYTES[-1]],
+                reached_gbps_by_bytes=by_bytes,
+                overhead_us=round(self._proxy.overhead_us, 2),
+            )
+        if self.device is None or self.device.type == "cuda":
+            row["method"] = "host thread paces a doorbell and a flag in pinned memory (stream memory operations)"
+        return row
+
+    def _transfer(self, src: torch.Tensor, dst: torch.Tensor, moved: int, data_stream: torch.cuda.Stream) -> None:
+        current = torch.cuda.current_stream()
+        if dst.data_ptr() != src.data_ptr():
+            with torch.cuda.stream(data_stream):
+                dst.copy_(src)
+            current.wait_stream(data_stream)
+        self._thread().transfer(moved)
+
+    def _thread(self) -> _ProxyThread:
+        if self._proxy is None:
+            with torch.cuda.device(self.device):
+                self._proxy = _ProxyThread(self.device, self.bandwidth_gbps)
+        return self._proxy
