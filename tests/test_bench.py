@@ -254,6 +254,8 @@ def test_kernel_costs_are_busy_time_per_kind():
     ]
     assert kernel_costs(kernels) == pytest.approx((5.0, 4.0))
     assert kernel_costs([]) == (0.0, 0.0)
+    proxy = [_k("gemm", 0.0, 1000.0), _k("_proxy_link_transfer", 1000.0, 3000.0)]
+    assert kernel_costs(proxy) == pytest.approx((1.0, 2.0)), "the proxy link's waiting warp is communication"
 
 
 def test_transfer_is_each_collectives_shortest_kernel_over_the_ranks():

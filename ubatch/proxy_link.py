@@ -6,9 +6,12 @@ its staging adds a stretch of its own (the last piece of each collective returns
 ``ProxyLink`` keeps HostLink's contract (a world of one that charges the bytes a rank of
 ``world_size`` sends; see ``ubatch.link``) and times each transfer the way a network proxy does:
 
-- the comm stream writes the payload's size and rings a doorbell in pinned host memory, then waits
-  on a completion flag there (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``: stream memory
-  operations, no kernel, capturable in CUDA graphs);
+- the comm stream writes the payload's size and rings a doorbell in pinned host memory (stream
+  memory operations, ``cuStreamWriteValue64`` / ``cuStreamWriteValue32``: no kernel, capturable in
+  CUDA graphs), then one warp, ``_proxy_link_transfer``, polls a completion flag there and re-arms
+  it. The driver's own wait (``cuStreamWaitValue32``) would hold no SM at all, but a profiler does
+  not see it, and the bench measures a step's communication (M) from the profiled kernels: the warp
+  makes the transfer a kernel in the trace, named as communication, for one warp slot of one SM;
 - a host thread (C, compiled on first use with the system's C compiler, as Triton compiles its
   launchers) sees the doorbell, waits ``bytes / bandwidth`` less the round trip the doorbell and the
   flag cost anyway (``overhead_us``, measured at ``prepare()``: 13-16 us on an H100), and sets the
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ubatch._triton import tl, triton
 from ubatch.link import HostLink
 
 CALIBRATION_TRANSFERS = 32  # empty transfers timed at prepare(): the median is the fixed overhead
@@ -103,9 +107,18 @@ class _Mailbox(ctypes.Structure):
     ]
 
 
+if triton is not None:
+
+    @triton.jit
+    def _proxy_link_transfer(done):
+        """Wait until the host thread sets the flag, then re-arm it: the transfer as seen in a trace."""
+        while tl.load(done, volatile=True) != 1:
+            pass
+        tl.store(done, 0)
+
+
 _DONE_OFFSET = _Mailbox.done.offset
 _BYTES_OFFSET = _Mailbox.bytes.offset
-_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _library: ctypes.CDLL | None = None
 _driver: ctypes.CDLL | None = None
 
@@ -146,7 +159,7 @@ def _cuda_driver() -> ctypes.CDLL:
     global _driver
     if _driver is None:
         driver = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuStreamWriteValue32", "cuStreamWaitValue32", "cuStreamWriteValue64"):
+        for name in ("cuStreamWriteValue32", "cuStreamWriteValue64"):
             fn = getattr(driver, name + "_v2", None) or getattr(driver, name)
             value = ctypes.c_uint64 if name.endswith("64") else ctypes.c_uint32
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, value, ctypes.c_uint]
@@ -171,8 +184,11 @@ class _ProxyThread:
                 "calibrate outside one. Call link.prepare() (or run the step once eagerly) before capturing"
             )
         self.device = device
+        if triton is None:
+            raise RuntimeError("ProxyLink on CUDA needs Triton (its transfers wait in a one-warp kernel)")
         self.memory = torch.zeros(ctypes.sizeof(_Mailbox), dtype=torch.uint8, pin_memory=True)
         self.mailbox = _Mailbox.from_address(self.memory.data_ptr())
+        self.done_flag = self.memory[_DONE_OFFSET : _DONE_OFFSET + 4].view(torch.int32)
         self.mailbox.bytes_per_ns = bandwidth_gbps
         driver = _cuda_driver()
         pointer = ctypes.c_uint64()
@@ -196,7 +212,7 @@ class _ProxyThread:
         self.close()
 
     def transfer(self, nbytes: int) -> None:
-        """Hold the current stream for ``nbytes`` over the link: size, doorbell, wait, re-arm."""
+        """Hold the current stream for ``nbytes`` over the link: size, doorbell, then the waiting warp."""
         stream = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self.last_stream is not None and self.last_stream != stream:
@@ -204,8 +220,7 @@ class _ProxyThread:
         handle = ctypes.c_void_p(stream.cuda_stream)
         _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
         _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
-        _check(self.driver.cuStreamWaitValue32(handle, self.base + _DONE_OFFSET, 1, _WAIT_EQ), "waiting")
-        _check(self.driver.cuStreamWriteValue32(handle, self.base + _DONE_OFFSET, 0, 0), "re-arming")
+        _proxy_link_transfer[(1,)](self.done_flag, num_warps=1)
         if not capturing:
             self.done.record(stream)
             self.last_stream = stream

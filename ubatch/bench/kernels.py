@@ -3,7 +3,8 @@
 No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing of a replay; the
 GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
 kernel compute. So are the link stand-in's (``ubatch.link``) copies between device and pinned
-host memory (its pacing included); other copies and memsets count as neither.
+host memory (its pacing included) and the proxy link's waiting warp (``_proxy_link_transfer``,
+``ubatch.proxy_link``); other copies and memsets count as neither.
 An NCCL kernel's time includes spinning until the other ranks arrive; gathered over the ranks,
 the kernels split it into transfer and waiting (``transfer_ms``).
 """
@@ -56,7 +57,7 @@ def kernel_family(name: str) -> str:
 def is_comm_activity(name: str) -> bool:
     """Whether a profiled kernel or copy of this name is communication (see the module docstring)."""
     name = name.lower()
-    return "nccl" in name or _is_link_activity(name)
+    return "nccl" in name or "proxy_link" in name or _is_link_activity(name)
 
 
 def _is_link_activity(name: str) -> bool:
