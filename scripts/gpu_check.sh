@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -197,6 +197,16 @@ if want targets; then  # the overlap-modes issue's points on one GPU as run 25 m
     --out "$OUT/targets_moe_prefill4096_w8_31gbps.json" | grep -E "^ +4096|auto"
   timeout 80 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
     --link host::w8 --modes split2 --top 25 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_decode256_w8.log" | grep '^{'
+fi
+if want proxy; then  # the proxy-paced link: its tests and probe, then the targets in the regime only it reaches
+  timeout 80 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_proxy_link.py 2>&1 | tee "$OUT/gpu_proxy_link_tests.log" | tail -3
+  timeout 80 python3 scripts/probe_proxy_link.py --gbps 25 2>&1 | tee "$OUT/probe_proxy_link.log"
+  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy"
+  prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
+  timeout 130 $proxy_ratio --ratio 0.95 --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
+    --preset deepseek-bench --modes split4,split3 2>&1 | grep -E "^ +4096|reached|auto"
+  timeout 100 $proxy_ratio --ratio 0.95 --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $prefill \
+    --preset moe-bench --modes split4 2>&1 | grep -E "^ +4096|reached|auto"
 fi
 if want grouped_gemm; then  # a split's expert GEMMs over skewed rows: torch's grouped GEMM against the probe's
   # Triton one with 64- and 128-row tiles (deepseek-bench prefill as one rank of four: 16 experts, 512 / 2048 rows)
