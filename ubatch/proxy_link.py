@@ -23,7 +23,9 @@ as HostLink's own part), joined to the comm stream before the collective complet
 that waits reads them. Unlike HostLink, the output is written when the collective starts: a
 consumer that skips its wait reads fresh data here, so tests of waits use HostLink or the CPU link.
 
-On the CPU a ProxyLink is HostLink's CPU link (a deadline per transfer, no thread).
+On the CPU a ProxyLink is HostLink's CPU link (a deadline per transfer, no thread). The host
+thread spins a CPU core while the link lives; keep the link alive as long as any graph that captured
+it (replayed after ``close()``, the waiting warp would wait forever).
 """
 
 from __future__ import annotations
