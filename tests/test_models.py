@@ -22,6 +22,7 @@ from ubatch.models import DenseDecoder, ModelConfig, MoEDecoder, build_model, ex
 from ubatch.models.dispatch import dispatch_row_width
 from ubatch.models.layers import RMSNorm, RotaryEmbedding
 from ubatch.models.moe import MoEFFN
+from ubatch.proxy_link import ProxyLink
 
 # ----- config ---------------------------------------------------------------------------------
 
@@ -360,6 +361,34 @@ def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(pre
             before = counted_link.bytes_moved
             counted(x)
         assert counted_link.bytes_moved - before == chunks * worst * (row + 4 * config.hidden_size)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_link_that_sizes_on_the_device_is_charged_the_real_rows_of_a_padded_dispatch(preset, world):
+    """The static dispatch pads every block to its capacity; over a ProxyLink (sizes set on the
+    device) the dispatch and the combine charge only the rows to other ranks that hold a token,
+    which is what the counted path moves, and the outputs equal HostLink's."""
+    config = ModelConfig.preset(preset)
+    host, proxy = HostLink(world, 1e6, device="cpu"), ProxyLink(world, 1e6, device="cpu")
+    layers = [MoEFFN(config, 0, device=torch.device("cpu"), ep_group=group) for group in (host, proxy)]
+    for layer in layers:
+        layer.capacity_factor = 2.0
+    x = torch.randn(29, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(layers[1](x), layers[0](x), atol=0, rtol=0)
+    _, ids = layers[0].route(x)
+    rank_of = ids // layers[0].num_local_experts
+    remote = sum(int((rank_of == r).any(dim=1).sum()) for r in range(1, world))
+    assert int(layers[1].overflow_count) == 0, "a factor of 2 keeps every row of this batch"
+    row = 4 * dispatch_row_width(config.hidden_size, config.top_k, torch.float32)
+    assert proxy.bytes_moved == remote * (row + 4 * config.hidden_size) < host.bytes_moved
+    layers[1].expert_chunks = 2 if layers[1].num_local_experts % 2 == 0 else 1
+    before = proxy.bytes_moved
+    with torch.no_grad():
+        layers[1](x)
+    if layers[1].expert_chunks == 2:  # expert groups: sized when issued, the padding charged
+        assert proxy.bytes_moved - before > remote * (row + 4 * config.hidden_size)
 
 
 # ----- tensor / expert parallelism over gloo ---------------------------------------------------

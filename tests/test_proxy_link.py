@@ -79,4 +79,28 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
         torch.cuda.synchronize()
         assert torch.equal(static_out, static_in) and torch.equal(reduced, static_in)
     assert link._proxy.mailbox.served == served + 1 + 3 * 2
+    sized = torch.zeros(1, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        link.all_to_all_single(static_out, static_in, moved_bytes=sized)
+    for size in (0, 1 << 20):  # the size the replay charges is the tensor's at replay time
+        sized.fill_(size)
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, static_in) and int(link._proxy.mailbox.bytes) == size
     link.close()
+
+
+def test_moved_bytes_only_where_sizes_are_set_on_the_device():
+    from ubatch.link import HostLink
+
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="use a ProxyLink"):
+        HostLink(2, 1000.0, device="cpu").all_to_all_single(torch.zeros_like(x), x, moved_bytes=torch.tensor([8]))
+    link = ProxyLink(2, 1000.0, device="cpu")
+    with pytest.raises(TypeError, match="one-element int64 tensor"):
+        link.all_to_all_single(torch.zeros_like(x), x, moved_bytes=torch.tensor([8.0]))
+    out = torch.zeros_like(x)
+    link.all_to_all_single(out, x, moved_bytes=torch.tensor([8]))
+    assert torch.equal(out, x) and link.bytes_moved == 8

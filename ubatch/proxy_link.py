@@ -18,6 +18,10 @@ its staging adds a stretch of its own (the last piece of each collective returns
   flag. A transfer thus takes max(overhead, bytes / bandwidth), one after another as on one
   communicator.
 
+A collective may charge a size the GPU set (``all_to_all_single(..., moved_bytes=t)``: the rows a
+padded buffer really holds, which the MoE layer passes for its static dispatch and combine of one
+expert group and one run), copied into the mailbox on the comm stream before the doorbell.
+
 The values move as a same-device copy on the stream that produced the input (``own_part_stream``,
 as HostLink's own part), joined to the comm stream before the collective completes, so a consumer
 that waits reads them. Unlike HostLink, the output is written when the collective starts: a
@@ -191,6 +195,7 @@ class _ProxyThread:
         self.memory = torch.zeros(ctypes.sizeof(_Mailbox), dtype=torch.uint8, pin_memory=True)
         self.mailbox = _Mailbox.from_address(self.memory.data_ptr())
         self.done_flag = self.memory[_DONE_OFFSET : _DONE_OFFSET + 4].view(torch.int32)
+        self.size_word = self.memory[_BYTES_OFFSET : _BYTES_OFFSET + 8].view(torch.int64)
         self.mailbox.bytes_per_ns = bandwidth_gbps
         driver = _cuda_driver()
         pointer = ctypes.c_uint64()
@@ -213,14 +218,18 @@ class _ProxyThread:
     def __del__(self) -> None:
         self.close()
 
-    def transfer(self, nbytes: int) -> None:
-        """Hold the current stream for ``nbytes`` over the link: size, doorbell, then the waiting warp."""
+    def transfer(self, nbytes: int | torch.Tensor) -> None:
+        """Hold the current stream for ``nbytes`` over the link (a one-element int64 tensor on the
+        device: a size the GPU set, copied into the mailbox): size, doorbell, then the waiting warp."""
         stream = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self.last_stream is not None and self.last_stream != stream:
             stream.wait_event(self.done)  # one mailbox: the previous stream's transfer goes first
         handle = ctypes.c_void_p(stream.cuda_stream)
-        _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
+        if isinstance(nbytes, torch.Tensor):
+            self.size_word.copy_(nbytes.reshape(1), non_blocking=True)
+        else:
+            _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
         _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
         _proxy_link_transfer[(1,)](self.done_flag, num_warps=1)
         if not capturing:
@@ -240,6 +249,8 @@ class _ProxyThread:
 class ProxyLink(HostLink):
     """A world of one that charges the bytes of a world of ``world_size`` to a link that a host
     thread paces at ``bandwidth_gbps`` (see the module docstring)."""
+
+    sizes_on_device = True  # all_to_all_single's moved_bytes: the size the comm stream writes
 
     def __init__(self, world_size: int, bandwidth_gbps: float, *, device: torch.device | str | None = None) -> None:
         if bandwidth_gbps is None:
@@ -281,13 +292,20 @@ class ProxyLink(HostLink):
             row["method"] = "host thread paces a doorbell and a flag in pinned memory (stream memory operations)"
         return row
 
-    def _transfer(self, src: torch.Tensor, dst: torch.Tensor, moved: int, data_stream: torch.cuda.Stream) -> None:
+    def _transfer(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        moved: int,
+        data_stream: torch.cuda.Stream,
+        moved_bytes: torch.Tensor | None = None,
+    ) -> None:
         current = torch.cuda.current_stream()
         if dst.data_ptr() != src.data_ptr():
             with torch.cuda.stream(data_stream):
                 dst.copy_(src)
             current.wait_stream(data_stream)
-        self._thread().transfer(moved)
+        self._thread().transfer(moved if moved_bytes is None else moved_bytes)
 
     def _thread(self) -> _ProxyThread:
         if self._proxy is None:

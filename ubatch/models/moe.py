@@ -28,6 +28,7 @@ from torch import nn
 
 from ubatch import comm, islands, scheduler
 from ubatch.context import in_static_collectives
+from ubatch.link import is_link
 from ubatch.models import expert_compute, send_rows
 from ubatch.models.config import ModelConfig
 from ubatch.models.dense import Decoder
@@ -49,16 +50,23 @@ from ubatch.models.router import route_top_k
 
 
 def _start_all_to_all(
-    output: torch.Tensor, input: torch.Tensor, group: Any, splits: tuple[list[int], list[int]] | None = None
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any,
+    splits: tuple[list[int], list[int]] | None = None,
+    link_rows: torch.Tensor | None = None,
 ) -> comm.CollectiveHandle | None:
     """``comm.all_to_all_single`` over ``group``, started without waiting (None: done already),
     with ``splits`` (rows received from, rows sent to each rank) or equal ones. No group means one
-    rank even inside a multi-rank job, where ``comm`` would read None as the whole world."""
+    rank even inside a multi-rank job, where ``comm`` would read None as the whole world.
+    ``link_rows``: the rows to other ranks a padded buffer really holds (on the device), which a
+    link stand-in that sizes transfers on the GPU charges instead of the padded size."""
     if group is None and dist.is_initialized() and dist.get_world_size() > 1:
         output.copy_(input)
         return None
     received, sent = splits if splits is not None else (None, None)
-    return comm.all_to_all_single(output, input, received, sent, group=group, async_op=True)
+    link_bytes = None if link_rows is None else link_rows * (input.shape[1] * input.element_size())
+    return comm.all_to_all_single(output, input, received, sent, group=group, async_op=True, link_bytes=link_bytes)
 
 
 def _wait(handle: comm.CollectiveHandle | None) -> None:
@@ -104,6 +112,9 @@ class _Dispatched:
     # a transfer still reads them, their blocks could go to new work on the stream that made them
     # (another ubatch's shared experts, the next expert group).
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
+    # Of a one-group static dispatch over a link that sizes transfers on the GPU: the rows to other
+    # ranks that hold a token (what the dispatch and the combine charge the link).
+    link_rows: torch.Tensor | None = None
 
 
 _Layout = tuple[BlockTables | None, torch.Tensor | None]  # MoEFFN._static_layout's
@@ -310,7 +321,8 @@ class MoEFFN(nn.Module):
         )
         recv_chunks = consecutive_slices([world * cap for cap in caps])
         back_chunks = consecutive_slices([world * cap for cap in reversed(caps)])
-        recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None)
+        link_rows = self._link_rows(back_slot) if chunks == 1 else None
+        recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None, link_rows)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
             num_tokens=num_tokens,
@@ -325,7 +337,17 @@ class MoEFFN(nn.Module):
             dispatches=dispatches,
             own_sent=own,
             own_received=own,
+            link_rows=link_rows,
         )
+
+    def _link_rows(self, back_slot: torch.Tensor) -> torch.Tensor | None:
+        """Of a one-group static dispatch, the rows to other ranks that hold a token (``back_slot``
+        [tokens, ranks], -1 none), on the device, for a link that sizes its transfers on the GPU
+        (``ProxyLink``); None for any other group. In a world of one the combine returns as many."""
+        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
+            return None
+        kept = back_slot >= 0
+        return (kept.sum() - kept[:, self.ep_rank].sum()).reshape(1)
 
     def _dispatch_token_chunks(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int
@@ -366,14 +388,16 @@ class MoEFFN(nn.Module):
         send_chunks: list[slice],
         recv_chunks: list[slice],
         splits: list[tuple[list[int], list[int]]] | None,
+        link_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[comm.CollectiveHandle | None]]:
-        """The receive buffer and each chunk's all-to-all, started. One rank receives what it
-        sends: the send buffer itself, with nothing to start or wait for."""
+        """The receive buffer and each chunk's all-to-all, started (``link_rows``: of one chunk, see
+        ``_start_all_to_all``). One rank receives what it sends: the send buffer itself, with
+        nothing to start or wait for."""
         if self.ep_world == 1:
             return send, [None] * len(recv_chunks)
         recv = send.new_empty(recv_chunks[-1].stop, send.shape[1])
         dispatches = [
-            _start_all_to_all(recv[r], send[b], self.ep_group, None if splits is None else splits[c])
+            _start_all_to_all(recv[r], send[b], self.ep_group, None if splits is None else splits[c], link_rows)
             for c, (r, b) in enumerate(zip(recv_chunks, send_chunks))
         ]
         return recv, dispatches
@@ -506,7 +530,8 @@ class MoEFFN(nn.Module):
                 rows = part.out if chunks == 1 else self._combine_chunk(part, g)
                 part.combine_inputs.append(rows)
                 splits = None if part.comb_splits is None else part.comb_splits[g]
-                handles.append(_start_all_to_all(part.back[part.back_chunks[g]], rows, self.ep_group, splits))
+                back = part.back[part.back_chunks[g]]
+                handles.append(_start_all_to_all(back, rows, self.ep_group, splits, part.link_rows))
         return combines
 
     def _token_run_stage(self, part: _Dispatched) -> list[comm.CollectiveHandle | None]:
