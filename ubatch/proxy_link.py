@@ -289,7 +289,10 @@ class ProxyLink(HostLink):
                 overhead_us=round(self._proxy.overhead_us, 2),
             )
         if self.device is None or self.device.type == "cuda":
-            row["method"] = "host thread paces a doorbell and a flag in pinned memory (stream memory operations)"
+            row["method"] = (
+                "host thread paces a doorbell and a flag in pinned memory (stream memory operations); "
+                "one-group static MoE dispatches charge their real rows"
+            )
         return row
 
     def _transfer(
