@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tests.interpreted import DONE, run_interpreted
 from ubatch.link import is_link
 from ubatch.proxy_link import ProxyLink, _Mailbox, proxy_library
 
@@ -104,3 +105,16 @@ def test_moved_bytes_only_where_sizes_are_set_on_the_device():
     out = torch.zeros_like(x)
     link.all_to_all_single(out, x, moved_bytes=torch.tensor([8]))
     assert torch.equal(out, x) and link.bytes_moved == 8
+
+
+def test_the_waiting_warp_reads_the_flag_and_re_arms_it_under_the_interpreter():
+    script = f"""
+import torch
+from ubatch.proxy_link import _proxy_link_transfer
+
+done = torch.tensor([1], dtype=torch.int32)  # the host thread has set it: no wait
+_proxy_link_transfer[(1,)](done, num_warps=1)
+assert done.tolist() == [0], done
+print({DONE!r})
+"""
+    run_interpreted(script)

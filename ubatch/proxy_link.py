@@ -118,8 +118,9 @@ if triton is not None:
     @triton.jit
     def _proxy_link_transfer(done):
         """Wait until the host thread sets the flag, then re-arm it: the transfer as seen in a trace."""
-        while tl.load(done, volatile=True) != 1:
-            pass
+        flag = tl.load(done, volatile=True)
+        while flag != 1:
+            flag = tl.load(done, volatile=True)
         tl.store(done, 0)
 
 
