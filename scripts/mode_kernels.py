@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument(
         "--attention", choices=["auto", "torch", "flash", "triton"], default="auto", help="as ubatch-bench's"
     )
-    p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW]")
+    p.add_argument("--link", type=parse_link, help="the link stand-in, host[:GBps][:wW] or proxy:GBps[:wW]")
     p.add_argument("--top", type=int, default=10)
     p.add_argument(
         "--fuse-glue",

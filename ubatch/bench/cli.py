@@ -198,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link",
         type=_link,
-        help="one process: communicate over the host-memory link stand-in instead of a process group, "
-        "host[:GB/s][:wW] (bandwidth per direction, default the copy engines' speed; world size "
-        "W, default 2): would overlap pay on my cluster's links? Figures are labelled stand-in",
+        help="one process: communicate over a link stand-in instead of a process group, "
+        "host[:GB/s][:wW] (the copy engines through host memory; bandwidth per direction, default their "
+        "speed; world size W, default 2) or proxy:GB/s[:wW] (a host thread paces each transfer, at any "
+        "bandwidth): would overlap pay on my cluster's links? Figures are labelled stand-in",
     )
     return p
 
