@@ -1,4 +1,4 @@
-"""A link stand-in paced by a host thread, as a NIC's proxy paces a transfer: no SM, any bandwidth.
+"""A link stand-in paced by a host thread, as a NIC's proxy paces a transfer: any bandwidth, one warp.
 
 ``HostLink`` moves each collective's bytes through pinned memory on the copy engines, so it cannot
 model a link faster than they go (about 41 GB/s on an H100, below one 400 Gb/s NIC per GPU), and
@@ -14,7 +14,8 @@ its staging adds a stretch of its own (the last piece of each collective returns
   makes the transfer a kernel in the trace, named as communication, for one warp slot of one SM;
 - a host thread (C, compiled on first use with the system's C compiler, as Triton compiles its
   launchers) sees the doorbell, waits ``bytes / bandwidth`` less the round trip the doorbell and the
-  flag cost anyway (``overhead_us``, measured at ``prepare()``: 13-16 us on an H100), and sets the
+  flag cost anyway (``overhead_us``, measured at ``prepare()``; the probe's, with the driver's wait, 13-16 us on an
+  H100), and sets the
   flag. A transfer thus takes max(overhead, bytes / bandwidth), one after another as on one
   communicator.
 
@@ -26,6 +27,9 @@ The values move as a same-device copy on the stream that produced the input (``o
 as HostLink's own part), joined to the comm stream before the collective completes, so a consumer
 that waits reads them. Unlike HostLink, the output is written when the collective starts: a
 consumer that skips its wait reads fresh data here, so tests of waits use HostLink or the CPU link.
+
+``bytes_moved`` counts the bytes of each collective's buffers, as HostLink's does: on CUDA a size the
+GPU sets stays there (reading it would sync).
 
 On the CPU a ProxyLink is HostLink's CPU link (a deadline per transfer, no thread). The host
 thread spins a CPU core while the link lives; keep the link alive as long as any graph that captured
