@@ -367,8 +367,8 @@ def test_counted_dispatch_equals_the_static_one_and_moves_only_the_real_rows(pre
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_link_that_sizes_on_the_device_is_charged_the_real_rows_of_a_padded_dispatch(preset, world):
     """The static dispatch pads every block to its capacity; over a ProxyLink (sizes set on the
-    device) the dispatch and the combine charge only the rows to other ranks that hold a token,
-    which is what the counted path moves, and the outputs equal HostLink's."""
+    device) the dispatch and the combine, whole or in token runs, charge only the rows to other
+    ranks that hold a token, which is what the counted path moves, and the outputs equal HostLink's."""
     config = ModelConfig.preset(preset)
     host, proxy = HostLink(world, 1e6, device="cpu"), ProxyLink(world, 1e6, device="cpu")
     layers = [MoEFFN(config, 0, device=torch.device("cpu"), ep_group=group) for group in (host, proxy)]
@@ -383,6 +383,13 @@ def test_a_link_that_sizes_on_the_device_is_charged_the_real_rows_of_a_padded_di
     assert int(layers[1].overflow_count) == 0, "a factor of 2 keeps every row of this batch"
     row = 4 * dispatch_row_width(config.hidden_size, config.top_k, torch.float32)
     assert proxy.bytes_moved == remote * (row + 4 * config.hidden_size) < host.bytes_moved
+    for layer in layers:  # token runs: each run charged its own real rows, the runs together all of them
+        layer.token_chunks = 2
+    before, before_host = proxy.bytes_moved, host.bytes_moved
+    with torch.no_grad():
+        torch.testing.assert_close(layers[1](x), layers[0](x), atol=0, rtol=0)
+    assert proxy.bytes_moved - before == remote * (row + 4 * config.hidden_size) < host.bytes_moved - before_host
+    layers[1].token_chunks = 1
     layers[1].expert_chunks = 2 if layers[1].num_local_experts % 2 == 0 else 1
     before = proxy.bytes_moved
     with torch.no_grad():

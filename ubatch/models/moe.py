@@ -112,8 +112,9 @@ class _Dispatched:
     # a transfer still reads them, their blocks could go to new work on the stream that made them
     # (another ubatch's shared experts, the next expert group).
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
-    # Of a one-group static dispatch over a link that sizes transfers on the GPU: the rows to other
-    # ranks that hold a token (what the dispatch and the combine charge the link).
+    # Of a one-group static dispatch over a link that sizes transfers on the GPU: per chunk (one, or
+    # each token run), the rows to other ranks that hold a token (what its dispatch and combine
+    # charge the link).
     link_rows: torch.Tensor | None = None
 
 
@@ -321,7 +322,7 @@ class MoEFFN(nn.Module):
         )
         recv_chunks = consecutive_slices([world * cap for cap in caps])
         back_chunks = consecutive_slices([world * cap for cap in reversed(caps)])
-        link_rows = self._link_rows(back_slot) if chunks == 1 else None
+        link_rows = self._link_rows(back_slot, caps[0]) if chunks == 1 else None
         recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None, link_rows)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
@@ -340,14 +341,19 @@ class MoEFFN(nn.Module):
             link_rows=link_rows,
         )
 
-    def _link_rows(self, back_slot: torch.Tensor) -> torch.Tensor | None:
-        """Of a one-group static dispatch, the rows to other ranks that hold a token (``back_slot``
-        [tokens, ranks], -1 none), on the device, for a link that sizes its transfers on the GPU
-        (``ProxyLink``); None for any other group. In a world of one the combine returns as many."""
+    def _link_rows(self, back_slot: torch.Tensor, run_rows: int, runs: int = 1) -> torch.Tensor | None:
+        """Of a one-group static dispatch sent in ``runs`` runs of ``run_rows`` rows per rank (run-major
+        slots, ``dispatch.chunk_major_slots``), the rows each run holds for other ranks (from
+        ``back_slot`` [tokens, ranks], -1 none), on the device, for a link that sizes its transfers
+        on the GPU (``ProxyLink``); None for any other group. In a world of one the combine returns
+        as many. Counted with a scatter, not a mask, so that a graph can capture it."""
         if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
             return None
-        kept = back_slot >= 0
-        return (kept.sum() - kept[:, self.ep_rank].sum()).reshape(1)
+        slot = back_slot.clamp(min=0).flatten()
+        per_run = self.ep_world * run_rows
+        to_others = (back_slot.flatten() >= 0) & ((slot % per_run) // run_rows != self.ep_rank)
+        counts = torch.zeros(runs, dtype=torch.int64, device=back_slot.device)
+        return counts.scatter_add_(0, slot // per_run, to_others.long())
 
     def _dispatch_token_chunks(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int
@@ -364,7 +370,8 @@ class MoEFFN(nn.Module):
             x, ids, weights, self.num_local_experts, 1, world, (run * chunks,), runs=chunks, counter=self.overflow_count
         )
         runs = consecutive_slices([world * run] * chunks)
-        recv, dispatches = self._start_dispatches(send, runs, runs, None)
+        link_rows = self._link_rows(back_slot, run, chunks)
+        recv, dispatches = self._start_dispatches(send, runs, runs, None, link_rows)
         own = _own_rows(runs, [[run] * world] * chunks, self.ep_rank)
         return back_slot, _Dispatched(
             num_tokens=len(x),
@@ -380,6 +387,7 @@ class MoEFFN(nn.Module):
             own_sent=own,
             own_received=own,
             token_runs=True,
+            link_rows=link_rows,
         )
 
     def _start_dispatches(
@@ -390,14 +398,20 @@ class MoEFFN(nn.Module):
         splits: list[tuple[list[int], list[int]]] | None,
         link_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[comm.CollectiveHandle | None]]:
-        """The receive buffer and each chunk's all-to-all, started (``link_rows``: of one chunk, see
+        """The receive buffer and each chunk's all-to-all, started (``link_rows``: per chunk, see
         ``_start_all_to_all``). One rank receives what it sends: the send buffer itself, with
         nothing to start or wait for."""
         if self.ep_world == 1:
             return send, [None] * len(recv_chunks)
         recv = send.new_empty(recv_chunks[-1].stop, send.shape[1])
         dispatches = [
-            _start_all_to_all(recv[r], send[b], self.ep_group, None if splits is None else splits[c], link_rows)
+            _start_all_to_all(
+                recv[r],
+                send[b],
+                self.ep_group,
+                None if splits is None else splits[c],
+                None if link_rows is None else link_rows[c : c + 1],
+            )
             for c, (r, b) in enumerate(zip(recv_chunks, send_chunks))
         ]
         return recv, dispatches
@@ -553,7 +567,8 @@ class MoEFFN(nn.Module):
                 pieces = [(part.recv[rows], part.out[rows], 0)]
                 self._run_rows(pieces, 0, part.num_tokens, lanes.stage(c, [part.dispatches[c]]))
             if not one_rank:
-                handles.append(_start_all_to_all(part.back[rows], part.out[rows], self.ep_group))
+                link_rows = None if part.link_rows is None else part.link_rows[c : c + 1]
+                handles.append(_start_all_to_all(part.back[rows], part.out[rows], self.ep_group, None, link_rows))
         return handles
 
     def _combine_chunk(self, part: _Dispatched, chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
