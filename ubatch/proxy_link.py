@@ -21,7 +21,8 @@ its staging adds a stretch of its own (the last piece of each collective returns
 
 A collective may charge a size the GPU set (``all_to_all_single(..., moved_bytes=t)``: the rows a
 padded buffer really holds, which the MoE layer passes for its static dispatch and combine of one
-expert group and one run), copied into the mailbox on the comm stream before the doorbell.
+expert group, whole or in token runs), copied into the mailbox on the comm stream before the
+doorbell.
 
 The values move as a same-device copy on the stream that produced the input (``own_part_stream``,
 as HostLink's own part), joined to the comm stream before the collective completes, so a consumer
@@ -297,7 +298,7 @@ class ProxyLink(HostLink):
         if self.device is None or self.device.type == "cuda":
             row["method"] = (
                 "host thread paces a doorbell and a flag in pinned memory (stream memory operations); "
-                "one-group static MoE dispatches charge their real rows"
+                "one-group static MoE dispatches (and their token runs) charge their real rows"
             )
         return row
 
