@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.link_graphs import replay_captured_collectives
 from ubatch import link as link_module
 from ubatch.link import (
     DEFAULT_CPU_GBPS,
@@ -602,21 +603,7 @@ def test_cuda_eager_collectives_do_not_sync_once_prepared():
 def test_cuda_graph_capture_and_replay(bandwidth):
     link = HostLink(4, bandwidth)
     link.prepare()
-    static_in = torch.randn(4, 3 << 18, device="cuda")  # 12 MiB; the all-reduce moves 18 MiB, round the ring
-    static_out = torch.zeros_like(static_in)
-    reduced = torch.zeros_like(static_in)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        link.all_to_all_single(static_out, static_in)
-        reduced.copy_(static_out)
-        link.all_reduce(reduced)
-    for _ in range(3):
-        static_in.copy_(torch.randn_like(static_in))
-        static_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, static_in)
-        assert torch.equal(reduced, static_in)
+    replay_captured_collectives(link, torch.randn(4, 3 << 18, device="cuda"))  # 12 MiB; the all-reduce moves 18
 
 
 @pytest.mark.cuda

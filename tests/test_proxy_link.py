@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.interpreted import DONE, run_interpreted
+from tests.link_graphs import replay_captured_collectives
 from ubatch.link import is_link
 from ubatch.proxy_link import ProxyLink, _Mailbox, proxy_library
 
@@ -64,21 +65,10 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
     served = link._proxy.mailbox.served
     static_in = torch.randn(4, 1 << 16, device="cuda")
     static_out = torch.zeros_like(static_in)
-    reduced = torch.zeros_like(static_in)
     link.all_to_all_single(static_out, static_in)
     torch.cuda.synchronize()
     assert torch.equal(static_out, static_in) and link._proxy.mailbox.served == served + 1
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        link.all_to_all_single(static_out, static_in)
-        reduced.copy_(static_out)
-        link.all_reduce(reduced)
-    for _ in range(3):
-        static_in.copy_(torch.randn_like(static_in))
-        static_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, static_in) and torch.equal(reduced, static_in)
+    replay_captured_collectives(link, static_in, replays=3)
     assert link._proxy.mailbox.served == served + 1 + 3 * 2
     sized = torch.zeros(1, dtype=torch.int64, device="cuda")
     graph = torch.cuda.CUDAGraph()
