@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy, proxy_decode: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -199,14 +199,27 @@ if want targets; then  # the overlap-modes issue's points on one GPU as run 25 m
     --link host::w8 --modes split2 --top 25 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_decode256_w8.log" | grep '^{'
 fi
 if want proxy; then  # the proxy-paced link: its tests and probe, then the targets in the regime only it reaches
-  timeout 80 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_proxy_link.py 2>&1 | tee "$OUT/gpu_proxy_link_tests.log" | tail -3
-  timeout 80 python3 scripts/probe_proxy_link.py --gbps 25 2>&1 | tee "$OUT/probe_proxy_link.log"
-  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy"
-  prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
-  timeout 130 $proxy_ratio --ratio 0.95 --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
-    --preset deepseek-bench --modes split4,split3 2>&1 | grep -E "^ +4096|reached|auto"
-  timeout 100 $proxy_ratio --ratio 0.95 --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $prefill \
-    --preset moe-bench --modes split4 2>&1 | grep -E "^ +4096|reached|auto"
+  timeout 90 python3 -m pytest -q --capture=sys -m cuda -p no:cacheprovider tests/test_proxy_link.py \
+    tests/test_link.py::test_cuda_graph_capture_and_replay 2>&1 | tee "$OUT/gpu_proxy_link_tests.log" | tail -3
+  if grep -qE '[0-9]+ (failed|errors?)' "$OUT/gpu_proxy_link_tests.log"; then
+    echo "proxy link tests failed: no sweeps over it"
+  else
+    timeout 45 python3 scripts/probe_proxy_link.py --gbps 25 2>&1 | tee "$OUT/probe_proxy_link.log"
+    proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
+    prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
+    timeout 200 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $prefill \
+      --preset moe-bench --modes split4,split2+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+    timeout 190 $proxy_ratio --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
+      --preset deepseek-bench --modes split4,split3+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+  fi
+fi
+if want proxy_decode; then  # the decode points over the proxy-paced link, a call of their own (after proxy's tests)
+  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
+  decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
+  timeout 150 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $decode \
+    --preset deepseek-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
+  timeout 120 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $decode \
+    --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
 fi
 if want grouped_gemm; then  # a split's expert GEMMs over skewed rows: torch's grouped GEMM against the probe's
   # Triton one with 64- and 128-row tiles (deepseek-bench prefill as one rank of four: 16 experts, 512 / 2048 rows)
