@@ -81,6 +81,10 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
         torch.cuda.synchronize()
         assert torch.equal(static_out, static_in) and int(link._proxy.mailbox.bytes) == size
     link.close()
+    static_in.copy_(torch.randn_like(static_in))
+    graph.replay()  # after close(): the values, no wait for a thread that is gone
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, static_in)
 
 
 def test_moved_bytes_only_where_sizes_are_set_on_the_device():
@@ -102,8 +106,12 @@ def test_the_waiting_warp_reads_the_flag_and_re_arms_it_under_the_interpreter():
 import torch
 from ubatch.proxy_link import _proxy_link_transfer
 
+open_link = torch.tensor([0], dtype=torch.int32)
 done = torch.tensor([1], dtype=torch.int32)  # the host thread has set it: no wait
-_proxy_link_transfer[(1,)](done, num_warps=1)
+_proxy_link_transfer[(1,)](done, open_link, num_warps=1)
+assert done.tolist() == [0], done
+closed = torch.tensor([1], dtype=torch.int32)  # a closed link: nobody sets the flag, nothing waits
+_proxy_link_transfer[(1,)](done, closed, num_warps=1)
 assert done.tolist() == [0], done
 print({DONE!r})
 """

@@ -34,13 +34,15 @@ GPU sets stays there (reading it would sync).
 
 On the CPU a ProxyLink is HostLink's CPU link (a deadline per transfer, no thread). The host
 thread spins a CPU core while the link lives; keep the link alive as long as any graph that captured
-it (replayed after ``close()``, the waiting warp would wait forever).
+it is replayed for timing: after ``close()`` such a replay still moves the values but its transfers
+take no time (the warp sees the mailbox's stop word; the mailbox is kept for the process).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import statistics
 import subprocess
@@ -51,6 +53,8 @@ import torch
 
 from ubatch._triton import tl, triton
 from ubatch.link import HostLink
+
+logger = logging.getLogger(__name__)
 
 CALIBRATION_TRANSFERS = 32  # empty transfers timed at prepare(): the median is the fixed overhead
 REACHED_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
@@ -122,16 +126,24 @@ class _Mailbox(ctypes.Structure):
 if triton is not None:
 
     @triton.jit
-    def _proxy_link_transfer(done):
-        """Wait until the host thread sets the flag, then re-arm it: the transfer as seen in a trace."""
+    def _proxy_link_transfer(done, stop):
+        """Wait until the host thread sets the flag, then re-arm it: the transfer as seen in a trace.
+        Once the link is closed (``stop`` set) it waits no more, so a graph replayed after
+        ``close()`` finishes instead of hanging the device."""
         flag = tl.load(done, volatile=True)
-        while flag != 1:
+        closed = tl.load(stop, volatile=True)
+        while (flag != 1) & (closed == 0):
             flag = tl.load(done, volatile=True)
+            closed = tl.load(stop, volatile=True)
         tl.store(done, 0)
 
 
 _DONE_OFFSET = _Mailbox.done.offset
 _BYTES_OFFSET = _Mailbox.bytes.offset
+_STOP_OFFSET = _Mailbox.stop.offset
+# Mailboxes of closed links, kept for the process: a graph that captured a link still reads its
+# mailbox when replayed, and finds ``stop`` set there (see ``_proxy_link_transfer``).
+_CLOSED_MAILBOXES: list[torch.Tensor] = []
 _library: ctypes.CDLL | None = None
 _driver: ctypes.CDLL | None = None
 
@@ -203,6 +215,8 @@ class _ProxyThread:
         self.mailbox = _Mailbox.from_address(self.memory.data_ptr())
         self.done_flag = self.memory[_DONE_OFFSET : _DONE_OFFSET + 4].view(torch.int32)
         self.size_word = self.memory[_BYTES_OFFSET : _BYTES_OFFSET + 8].view(torch.int64)
+        self.stop_flag = self.memory[_STOP_OFFSET : _STOP_OFFSET + 4].view(torch.int32)
+        self.captured = False
         self.mailbox.bytes_per_ns = bandwidth_gbps
         driver = _cuda_driver()
         pointer = ctypes.c_uint64()
@@ -221,6 +235,12 @@ class _ProxyThread:
         if self.library is not None:
             self.library.proxy_stop(ctypes.addressof(self.mailbox))
             self.library = None
+            _CLOSED_MAILBOXES.append(self.memory)
+            if self.captured:
+                logger.warning(
+                    "ProxyLink closed after a CUDA graph captured it: replays of that graph now take no "
+                    "time on the link (their values are still moved)"
+                )
 
     def __del__(self) -> None:
         self.close()
@@ -238,7 +258,8 @@ class _ProxyThread:
         else:
             _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
         _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
-        _proxy_link_transfer[(1,)](self.done_flag, num_warps=1)
+        _proxy_link_transfer[(1,)](self.done_flag, self.stop_flag, num_warps=1)
+        self.captured |= capturing
         if not capturing:
             self.done.record(stream)
             self.last_stream = stream
@@ -279,7 +300,8 @@ class ProxyLink(HostLink):
 
     def close(self) -> None:
         """Stop the host thread (it spins a CPU core while the link lives). Graphs that captured the
-        link must not be replayed after this."""
+        link still replay after this, moving the values, but their transfers take no time (said in
+        a warning where a graph captured it)."""
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
