@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import statistics
 import subprocess
@@ -53,8 +52,6 @@ import torch
 
 from ubatch._triton import tl, triton
 from ubatch.link import HostLink
-
-logger = logging.getLogger(__name__)
 
 CALIBRATION_TRANSFERS = 32  # empty transfers timed at prepare(): the median is the fixed overhead
 REACHED_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
@@ -216,7 +213,6 @@ class _ProxyThread:
         self.done_flag = self.memory[_DONE_OFFSET : _DONE_OFFSET + 4].view(torch.int32)
         self.size_word = self.memory[_BYTES_OFFSET : _BYTES_OFFSET + 8].view(torch.int64)
         self.stop_flag = self.memory[_STOP_OFFSET : _STOP_OFFSET + 4].view(torch.int32)
-        self.captured = False
         self.mailbox.bytes_per_ns = bandwidth_gbps
         driver = _cuda_driver()
         pointer = ctypes.c_uint64()
@@ -236,11 +232,6 @@ class _ProxyThread:
             self.library.proxy_stop(ctypes.addressof(self.mailbox))
             self.library = None
             _CLOSED_MAILBOXES.append(self.memory)
-            if self.captured:
-                logger.warning(
-                    "ProxyLink closed after a CUDA graph captured it: replays of that graph now take no "
-                    "time on the link (their values are still moved)"
-                )
 
     def __del__(self) -> None:
         self.close()
@@ -259,7 +250,6 @@ class _ProxyThread:
             _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
         _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
         _proxy_link_transfer[(1,)](self.done_flag, self.stop_flag, num_warps=1)
-        self.captured |= capturing
         if not capturing:
             self.done.record(stream)
             self.last_stream = stream
@@ -300,8 +290,7 @@ class ProxyLink(HostLink):
 
     def close(self) -> None:
         """Stop the host thread (it spins a CPU core while the link lives). Graphs that captured the
-        link still replay after this, moving the values, but their transfers take no time (said in
-        a warning where a graph captured it)."""
+        link still replay after this, moving the values, but their transfers take no time."""
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
