@@ -216,8 +216,8 @@ fi
 if want proxy_decode; then  # the decode points over the proxy-paced link, a call of their own (after proxy's tests)
   proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
   decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
-  timeout 150 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $decode \
-    --preset deepseek-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
+  timeout 200 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $decode \
+    --preset deepseek-bench --modes split2,split3+join,split4+join,split2+join+pipeline4 2>&1 | grep -E "^ +256|reached|auto"
   timeout 120 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $decode \
     --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
 fi

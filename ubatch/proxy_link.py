@@ -20,8 +20,8 @@ its staging adds a stretch of its own (the last piece of each collective returns
   communicator.
 
 A collective may charge a size the GPU set (``all_to_all_single(..., moved_bytes=t)``: the rows a
-padded buffer really holds, which the MoE layer passes for its static dispatch and combine of one
-expert group, whole or in token runs), copied into the mailbox on the comm stream before the
+padded buffer really holds, which the MoE layer passes for its static dispatch and combine, whole,
+in token runs or per expert group), copied into the mailbox on the comm stream before the
 doorbell.
 
 The values move as a same-device copy on the stream that produced the input (``own_part_stream``,

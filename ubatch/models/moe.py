@@ -38,6 +38,7 @@ from ubatch.models.dispatch import (
     block_starts,
     consecutive_slices,
     counted_dispatch_plan,
+    row_blocks,
     split_dispatch_rows,
     static_tables,
     token_pieces,
@@ -112,10 +113,11 @@ class _Dispatched:
     # a transfer still reads them, their blocks could go to new work on the stream that made them
     # (another ubatch's shared experts, the next expert group).
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
-    # Of a one-group static dispatch over a link that sizes transfers on the GPU: per chunk (one, or
-    # each token run), the rows to other ranks that hold a token (what its dispatch and combine
-    # charge the link).
+    # Of a static dispatch over a link that sizes transfers on the GPU: per dispatch chunk and per
+    # combine chunk, the rows to other ranks that hold a token (what each collective charges the
+    # link); with one group, or token runs, the two are one tensor.
     link_rows: torch.Tensor | None = None
+    comb_link_rows: torch.Tensor | None = None
 
 
 _Layout = tuple[BlockTables | None, torch.Tensor | None]  # MoEFFN._static_layout's
@@ -322,7 +324,10 @@ class MoEFFN(nn.Module):
         )
         recv_chunks = consecutive_slices([world * cap for cap in caps])
         back_chunks = consecutive_slices([world * cap for cap in reversed(caps)])
-        link_rows = self._link_rows(back_slot, caps[0]) if chunks == 1 else None
+        if chunks == 1:
+            link_rows = comb_link_rows = self._link_rows(back_slot, caps[0])
+        else:
+            link_rows, comb_link_rows = self._group_link_rows(ids, back_slot)
         recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None, link_rows)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
@@ -339,6 +344,7 @@ class MoEFFN(nn.Module):
             own_sent=own,
             own_received=own,
             link_rows=link_rows,
+            comb_link_rows=comb_link_rows,
         )
 
     def _link_rows(self, back_slot: torch.Tensor, run_rows: int, runs: int = 1) -> torch.Tensor | None:
@@ -354,6 +360,27 @@ class MoEFFN(nn.Module):
         to_others = (back_slot.flatten() >= 0) & ((slot % per_run) // run_rows != self.ep_rank)
         counts = torch.zeros(runs, dtype=torch.int64, device=back_slot.device)
         return counts.scatter_add_(0, slot // per_run, to_others.long())
+
+    def _group_link_rows(
+        self, ids: torch.Tensor, back_slot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Of a static dispatch over expert groups, for a link that sizes its transfers on the GPU:
+        per chunk, the rows to other ranks that hold a token in the dispatch (a row travels with its
+        earliest group on the rank) and in the combine (it returns with its latest), from the
+        routing (``ids``) and ``back_slot`` (-1 where a row was dropped); (None, None) for any other
+        group. Each group's block pads for itself (1.5-2x its rows at 256 decode tokens), so
+        charging the static size would price the layout, not the rows."""
+        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
+            return None, None
+        chunks, world = self.expert_chunks, self.ep_world
+        _, block, back_block = row_blocks(ids, self.num_local_experts, chunks, world)
+        rank = torch.arange(world, device=ids.device)
+        to_others = ((back_slot >= 0) & (rank != self.ep_rank)).long().flatten()
+        # chunk of each row, the combine's after the dispatch's; a row that is not sent holds no weight
+        chunk = torch.cat([block // world, chunks + back_block // world]).clamp(max=2 * chunks - 1).flatten()
+        counts = torch.zeros(2 * chunks, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, chunk, torch.cat([to_others, to_others]))
+        return counts[:chunks], counts[chunks:]
 
     def _dispatch_token_chunks(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int
@@ -388,6 +415,7 @@ class MoEFFN(nn.Module):
             own_received=own,
             token_runs=True,
             link_rows=link_rows,
+            comb_link_rows=link_rows,
         )
 
     def _start_dispatches(
@@ -545,7 +573,8 @@ class MoEFFN(nn.Module):
                 part.combine_inputs.append(rows)
                 splits = None if part.comb_splits is None else part.comb_splits[g]
                 back = part.back[part.back_chunks[g]]
-                handles.append(_start_all_to_all(back, rows, self.ep_group, splits, part.link_rows))
+                link_rows = None if part.comb_link_rows is None else part.comb_link_rows[g : g + 1]
+                handles.append(_start_all_to_all(back, rows, self.ep_group, splits, link_rows))
         return combines
 
     def _token_run_stage(self, part: _Dispatched) -> list[comm.CollectiveHandle | None]:
@@ -567,7 +596,7 @@ class MoEFFN(nn.Module):
                 pieces = [(part.recv[rows], part.out[rows], 0)]
                 self._run_rows(pieces, 0, part.num_tokens, lanes.stage(c, [part.dispatches[c]]))
             if not one_rank:
-                link_rows = None if part.link_rows is None else part.link_rows[c : c + 1]
+                link_rows = None if part.comb_link_rows is None else part.comb_link_rows[c : c + 1]
                 handles.append(_start_all_to_all(part.back[rows], part.out[rows], self.ep_group, None, link_rows))
         return handles
 
