@@ -309,7 +309,7 @@ class ProxyLink(HostLink):
         if self.device is None or self.device.type == "cuda":
             row["method"] = (
                 "host thread paces a doorbell and a flag in pinned memory (stream memory operations); "
-                "one-group static MoE dispatches (and their token runs) charge their real rows"
+                "static MoE dispatches and combines (whole, in token runs or per expert group) charge their real rows"
             )
         return row
 
