@@ -511,7 +511,7 @@ class HostLink:
                 with torch.cuda.stream(data_stream):
                     dst[:own].copy_(src[:own])
             self._transfer(src[own:], dst[own:], moved, data_stream, moved_bytes)
-            _in_use_until_done(input, output)
+            _in_use_until_done(input, output, moved_bytes)
         return self._cuda_work(op, moved, async_op)
 
     def _transfer(
@@ -631,14 +631,14 @@ def _check_own_part_stream(op: str, stream: Any, device: torch.device) -> None:
         raise ValueError(f"{op}: own_part_stream is on {stream.device}, the link on {device}")
 
 
-def _in_use_until_done(*tensors: torch.Tensor) -> None:
+def _in_use_until_done(*tensors: torch.Tensor | None) -> None:
     """Keep the tensors' blocks from new work until the current stream's transfer is done, as a
-    process group keeps a collective's tensors: a caller that drops an input right after an async
-    collective would otherwise see its block handed to new work on the stream that made it while
-    the copy engine still reads it."""
+    process group keeps a collective's tensors: a caller that drops an input (or a size the GPU
+    set) right after an async collective would otherwise see its block handed to new work on the
+    stream that made it while the transfer still reads it."""
     stream = torch.cuda.current_stream()
     for tensor in tensors:
-        if tensor.is_cuda:
+        if tensor is not None and tensor.is_cuda:
             tensor.record_stream(stream)
 
 
