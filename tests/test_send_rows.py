@@ -27,7 +27,7 @@ RUN_CASES = [
 
 CHECK = """
 import torch
-from ubatch.models.dispatch import dispatch_plan, row_column_offsets, static_tables
+from ubatch.models.dispatch import add_link_rows, dispatch_plan, row_column_offsets, static_tables
 from ubatch.models import send_rows
 
 
@@ -54,6 +54,30 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
         counter = torch.full((), 5, dtype=torch.int64, device=device)
         counted = plan(*args, runs=runs, counter=counter)[1]
         assert counted is counter and int(counter) == 5 + int(want_dropped), (plan.__name__, int(counter))
+    # each transfer's kept rows to the other ranks: the kernel's count against the torch one, and
+    # both against the rows themselves (by their slots: a slot's block and run, or group chunk)
+    transfers = chunks if chunks > 1 else runs
+    own_rank = world - 1
+    want_link = add_link_rows(
+        torch.ones(2, transfers, dtype=torch.int64, device=device), ids, want_slot, experts // world, chunks, world,
+        tuple(caps), runs=runs, own_rank=own_rank,
+    )
+    got_link = torch.ones(2, transfers, dtype=torch.int64, device=device)
+    send_rows.dispatch_plan_kernel(*args, runs=runs, link_rows=got_link, own_rank=own_rank)
+    assert torch.equal(got_link, want_link), (got_link.tolist(), want_link.tolist())
+    kept = (want_slot >= 0) & (torch.arange(world, device=device) != own_rank)
+    assert int(want_link[0].sum()) == int(want_link[1].sum()) == int(kept.sum()) + transfers
+    if chunks == 1:
+        run = want_slot // (world * (caps[0] // runs))
+        sent = returned = [int((kept & (run == r)).sum()) for r in range(runs)]
+    else:  # a row travels with its earliest expert group on the rank and returns with its latest
+        n_local = experts // world
+        on = (ids // n_local)[:, None, :] == torch.arange(world, device=device)[None, :, None]
+        group = (ids % n_local // (n_local // chunks))[:, None, :]
+        first, last = torch.where(on, group, chunks).amin(dim=2), torch.where(on, group, -1).amax(dim=2)
+        sent = [int((kept & (first == g)).sum()) for g in range(chunks)]
+        returned = [int((kept & (last == g)).sum()) for g in range(chunks)]
+    assert want_link.tolist() == [[1 + n for n in sent], [1 + n for n in returned]], (want_link.tolist(), sent)
     return int(want_dropped)
 """
 

@@ -266,6 +266,50 @@ def dispatch_plan(
     return back_slot, dropped, _gather_send(x, columns, slot, world * sum(caps))
 
 
+def add_link_rows(
+    link_rows: torch.Tensor,
+    ids: torch.Tensor,
+    back_slot: torch.Tensor,
+    n_local: int,
+    chunks: int,
+    world: int,
+    caps: tuple[int, ...],
+    *,
+    runs: int = 1,
+    own_rank: int = 0,
+) -> torch.Tensor:
+    """Add to ``link_rows`` [2, n] (int64) the rows of a static plan (``dispatch_plan``'s
+    ``back_slot``) that go to ranks other than ``own_rank``: row 0 per dispatch all-to-all, row 1
+    per combine, n being ``chunks`` expert groups (a row travels with its earliest group on the
+    rank and returns with its latest) or, with one group, ``runs``. A link that sizes transfers
+    on the GPU charges these instead of the padded blocks. Counted with scatters, not masks, so
+    that a graph can capture it; ``send_rows``' kernel counts the same in its placing pass."""
+    check_runs(runs, chunks, caps)
+    check_link_rows(link_rows, chunks, runs)
+    rank = torch.arange(world, device=back_slot.device)
+    to_others = ((back_slot >= 0) & (rank != own_rank)).long().flatten()
+    if chunks == 1:  # back_slot is run-major (chunk_major_slots): its run is the transfer
+        per_run = world * (caps[0] // runs)
+        sent = returned = (back_slot.clamp(min=0) // per_run).flatten()
+    else:
+        _, block, back_block = row_blocks(ids, n_local, chunks, world)
+        sent = (block // world).clamp(max=chunks - 1).flatten()  # a row not sent adds nothing
+        returned = (back_block // world).clamp(max=chunks - 1).flatten()
+    link_rows.view(-1).scatter_add_(0, torch.cat([sent, link_rows.shape[1] + returned]), to_others.repeat(2))
+    return link_rows
+
+
+def check_link_rows(link_rows: torch.Tensor, chunks: int, runs: int) -> None:
+    """ValueError unless ``link_rows`` is an int64 [2, transfers] tensor, one column per dispatch
+    (and combine) all-to-all: ``chunks`` expert groups, or with one group ``runs``."""
+    transfers = chunks if chunks > 1 else runs
+    if link_rows.dtype != torch.int64 or tuple(link_rows.shape) != (2, transfers) or not link_rows.is_contiguous():
+        raise ValueError(
+            f"link_rows must be a contiguous int64 tensor of shape (2, {transfers}), got "
+            f"{link_rows.dtype} of shape {tuple(link_rows.shape)}"
+        )
+
+
 def static_tables(caps: list[int], world: int, device: torch.device) -> BlockTables:
     """The blocks of dispatch chunks of ``caps`` rows per rank (the combine's chunks take them in
     reverse order), on ``device``, filled there (a copy from host memory would synchronize, and a

@@ -38,7 +38,6 @@ from ubatch.models.dispatch import (
     block_starts,
     consecutive_slices,
     counted_dispatch_plan,
-    row_blocks,
     split_dispatch_rows,
     static_tables,
     token_pieces,
@@ -115,7 +114,7 @@ class _Dispatched:
     combine_inputs: list[torch.Tensor] = field(default_factory=list)
     # Of a static dispatch over a link that sizes transfers on the GPU: per dispatch chunk and per
     # combine chunk, the rows to other ranks that hold a token (what each collective charges the
-    # link); with one group, or token runs, the two are one tensor.
+    # link), counted by the plan.
     link_rows: torch.Tensor | None = None
     comb_link_rows: torch.Tensor | None = None
 
@@ -319,15 +318,23 @@ class MoEFFN(nn.Module):
         if self.token_chunks > 1:
             return self._dispatch_token_chunks(x, ids, weights, caps[0])
         tables, row_block = self._static_layout(caps, x.device)
+        link = self._link_rows(chunks, x.device)
         back_slot, _, send = send_rows.static_plan(
-            x, ids, weights, self.num_local_experts, chunks, world, tuple(caps), tables, counter=self.overflow_count
+            x,
+            ids,
+            weights,
+            self.num_local_experts,
+            chunks,
+            world,
+            tuple(caps),
+            tables,
+            counter=self.overflow_count,
+            link_rows=link,
+            own_rank=self.ep_rank,
         )
         recv_chunks = consecutive_slices([world * cap for cap in caps])
         back_chunks = consecutive_slices([world * cap for cap in reversed(caps)])
-        if chunks == 1:
-            link_rows = comb_link_rows = self._link_rows(back_slot, caps[0])
-        else:
-            link_rows, comb_link_rows = self._group_link_rows(ids, back_slot)
+        link_rows, comb_link_rows = (None, None) if link is None else link
         recv, dispatches = self._start_dispatches(send, recv_chunks, recv_chunks, None, link_rows)
         own = _own_rows(recv_chunks, [[cap] * world for cap in caps], self.ep_rank)
         return back_slot, _Dispatched(
@@ -347,40 +354,15 @@ class MoEFFN(nn.Module):
             comb_link_rows=comb_link_rows,
         )
 
-    def _link_rows(self, back_slot: torch.Tensor, run_rows: int, runs: int = 1) -> torch.Tensor | None:
-        """Of a one-group static dispatch sent in ``runs`` runs of ``run_rows`` rows per rank (run-major
-        slots, ``dispatch.chunk_major_slots``), the rows each run holds for other ranks (from
-        ``back_slot`` [tokens, ranks], -1 none), on the device, for a link that sizes its transfers
-        on the GPU (``ProxyLink``); None for any other group. In a world of one the combine returns
-        as many. Counted with a scatter, not a mask, so that a graph can capture it."""
+    def _link_rows(self, transfers: int, device: torch.device) -> torch.Tensor | None:
+        """Zeros for a static plan to count, per dispatch and per combine all-to-all, the rows to
+        other ranks that hold a token (``dispatch.add_link_rows``) where the group is a link that
+        sizes its transfers on the GPU (``ProxyLink``): it charges those, not the padded blocks
+        (each expert group's block pads for itself, 1.5-2x its rows at 256 decode tokens). None
+        for any other group."""
         if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
             return None
-        slot = back_slot.clamp(min=0).flatten()
-        per_run = self.ep_world * run_rows
-        to_others = (back_slot.flatten() >= 0) & ((slot % per_run) // run_rows != self.ep_rank)
-        counts = torch.zeros(runs, dtype=torch.int64, device=back_slot.device)
-        return counts.scatter_add_(0, slot // per_run, to_others.long())
-
-    def _group_link_rows(
-        self, ids: torch.Tensor, back_slot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """Of a static dispatch over expert groups, for a link that sizes its transfers on the GPU:
-        per chunk, the rows to other ranks that hold a token in the dispatch (a row travels with its
-        earliest group on the rank) and in the combine (it returns with its latest), from the
-        routing (``ids``) and ``back_slot`` (-1 where a row was dropped); (None, None) for any other
-        group. Each group's block pads for itself (1.5-2x its rows at 256 decode tokens), so
-        charging the static size would price the layout, not the rows."""
-        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
-            return None, None
-        chunks, world = self.expert_chunks, self.ep_world
-        _, block, back_block = row_blocks(ids, self.num_local_experts, chunks, world)
-        rank = torch.arange(world, device=ids.device)
-        to_others = ((back_slot >= 0) & (rank != self.ep_rank)).long().flatten()
-        # chunk of each row, the combine's after the dispatch's; a row that is not sent holds no weight
-        chunk = torch.cat([block // world, chunks + back_block // world]).clamp(max=2 * chunks - 1).flatten()
-        counts = torch.zeros(2 * chunks, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(0, chunk, torch.cat([to_others, to_others]))
-        return counts[:chunks], counts[chunks:]
+        return torch.zeros(2, transfers, dtype=torch.int64, device=device)
 
     def _dispatch_token_chunks(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int
@@ -393,11 +375,22 @@ class MoEFFN(nn.Module):
         eight ranks, run 19)."""
         chunks, world = self.token_chunks, self.ep_world
         run = math.ceil(cap / chunks)
+        link = self._link_rows(chunks, x.device)
         back_slot, _, send = send_rows.static_plan(
-            x, ids, weights, self.num_local_experts, 1, world, (run * chunks,), runs=chunks, counter=self.overflow_count
+            x,
+            ids,
+            weights,
+            self.num_local_experts,
+            1,
+            world,
+            (run * chunks,),
+            runs=chunks,
+            counter=self.overflow_count,
+            link_rows=link,
+            own_rank=self.ep_rank,
         )
         runs = consecutive_slices([world * run] * chunks)
-        link_rows = self._link_rows(back_slot, run, chunks)
+        link_rows, comb_link_rows = (None, None) if link is None else link
         recv, dispatches = self._start_dispatches(send, runs, runs, None, link_rows)
         own = _own_rows(runs, [[run] * world] * chunks, self.ep_rank)
         return back_slot, _Dispatched(
@@ -415,7 +408,7 @@ class MoEFFN(nn.Module):
             own_received=own,
             token_runs=True,
             link_rows=link_rows,
-            comb_link_rows=link_rows,
+            comb_link_rows=comb_link_rows,
         )
 
     def _start_dispatches(

@@ -21,6 +21,8 @@ import torch
 from ubatch._triton import tl, triton, triton_available
 from ubatch.models.dispatch import (
     BlockTables,
+    add_link_rows,
+    check_link_rows,
     check_runs,
     chunk_major_slots,
     dispatch_plan,
@@ -76,13 +78,31 @@ def static_plan(
     *,
     runs: int = 1,
     counter: torch.Tensor | None = None,
+    link_rows: torch.Tensor | None = None,
+    own_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch. The
     dropped count is added to ``counter`` (an int64 device scalar, then returned in its place)
-    where one is given."""
+    where one is given, and each transfer's rows to ranks other than ``own_rank`` to
+    ``link_rows`` (``dispatch.add_link_rows``)."""
     if kernel_takes(x, ids, weights, chunks, world):
-        return dispatch_plan_kernel(x, ids, weights, n_local, chunks, world, caps, tables, runs=runs, counter=counter)
+        return dispatch_plan_kernel(
+            x,
+            ids,
+            weights,
+            n_local,
+            chunks,
+            world,
+            caps,
+            tables,
+            runs=runs,
+            counter=counter,
+            link_rows=link_rows,
+            own_rank=own_rank,
+        )
     back_slot, dropped, send = dispatch_plan(x, ids, weights, n_local, chunks, world, caps, tables, runs=runs)
+    if link_rows is not None:
+        add_link_rows(link_rows, ids, back_slot, n_local, chunks, world, caps, runs=runs, own_rank=own_rank)
     return back_slot, dropped if counter is None else counter.add_(dropped), send
 
 
@@ -98,12 +118,19 @@ def dispatch_plan_kernel(
     *,
     runs: int = 1,
     counter: torch.Tensor | None = None,
+    link_rows: torch.Tensor | None = None,
+    own_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dispatch.dispatch_plan`` in three kernels and two small torch ops, with the same slots,
     dropped count and rows, except that a padding row's hidden state is zeros (no expert reads
     it). With a ``counter`` the plan adds the dropped count to it atomically (ubatches on other
-    streams may count into the same one), and returns it as the count."""
+    streams may count into the same one), and returns it as the count. With ``link_rows`` the
+    placing pass adds each transfer's kept rows to other ranks than ``own_rank`` to it
+    (``dispatch.add_link_rows``), so a link that sizes transfers on the GPU costs no kernel more."""
     check_runs(runs, chunks, caps)
+    transfers = chunks if chunks > 1 else runs  # all-to-alls of the dispatch, and of the combine
+    if link_rows is not None:
+        check_link_rows(link_rows, chunks, runs)
     num_tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_slots = world * sum(caps)
@@ -147,7 +174,13 @@ def dispatch_plan_kernel(
         back_starts,
         back_sizes,
         caps[0],
+        dropped if link_rows is None else link_rows,  # unread without LINK
+        own_rank,
+        caps[0] // runs,
+        transfers,
         BASE_TILE=_BASE_TILE,
+        LINK=link_rows is not None,
+        TRANSFERS=triton.next_power_of_2(transfers),
         **meta,
     )
     if num_slots:
@@ -271,17 +304,25 @@ if triton is not None:
         back_starts_ptr,
         back_sizes_ptr,
         cap,
+        link_ptr,
+        own_rank,
+        run,
+        num_transfers,
         CHUNKS: tl.constexpr,
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         BASE_TILE: tl.constexpr,
+        LINK: tl.constexpr,
+        TRANSFERS: tl.constexpr,
     ):
         """Pass two: each row's position in its dispatch and combine block among the earlier rows
         (the blocks before this one's, summed from their ``counts`` ``BASE_TILE`` blocks a step,
         then this block's, in order), its slots, and ``source[slot] = i`` for every kept row (pass
         one cleared the slots to -1). A row past either block's room is dropped with all its
-        experts there."""
+        experts there. With ``LINK`` the kept rows to ranks other than ``own_rank`` are added to
+        ``link`` [2, transfers] per dispatch and per combine transfer: with expert groups its
+        earliest and its latest group's, with one group its run of ``run`` rows."""
         i, live, count, present, block, back_key, hit, at_block, at_back = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
         )
@@ -314,6 +355,19 @@ if triton is not None:
         tl.store(source_ptr + slot, i.to(tl.int32), mask=returned)
         dropped = tl.sum(tl.where(present & ~returned, count, 0).to(tl.int64), axis=0)
         tl.atomic_add(dropped_ptr, dropped)
+        if LINK:
+            to_others = returned & (i % world != own_rank)
+            if CHUNKS == 1:
+                sent = pos // run
+                back = sent
+            else:
+                sent = block // world
+                back = back_block // world
+            transfers = tl.arange(0, TRANSFERS)
+            add_sent = tl.sum(((transfers[:, None] == sent[None, :]) & to_others[None, :]).to(tl.int64), axis=1)
+            add_back = tl.sum(((transfers[:, None] == back[None, :]) & to_others[None, :]).to(tl.int64), axis=1)
+            tl.atomic_add(link_ptr + transfers, add_sent, mask=transfers < num_transfers)
+            tl.atomic_add(link_ptr + num_transfers + transfers, add_back, mask=transfers < num_transfers)
 
     @triton.jit
     def _send_rows_kernel(
