@@ -43,8 +43,9 @@ def test_host_thread_waits_the_links_time_less_its_overhead():
     mailbox = _Mailbox(bytes_per_ns=1.0, overhead_ns=2e6)  # 1 GB/s; 2 ms of the time is the round trip's
     assert library.proxy_start(ctypes.addressof(mailbox)) == 0
     try:
-        for size, at_least in ((0, 0.0), (20_000_000, 0.018)):  # 20 ms at 1 GB/s, less the 2 ms
-            mailbox.bytes, mailbox.done = size, 0
+        # 20 ms at 1 GB/s, less the 2 ms: as bytes, and as rows of a size
+        for units, unit_bytes, at_least in ((0, 1, 0.0), (20_000_000, 1, 0.018), (5_000, 4_000, 0.018)):
+            mailbox.units, mailbox.unit_bytes, mailbox.done = units, unit_bytes, 0
             start = time.perf_counter()
             mailbox.doorbell = 1
             while mailbox.done != 1:
@@ -52,7 +53,7 @@ def test_host_thread_waits_the_links_time_less_its_overhead():
             assert time.perf_counter() - start >= at_least and mailbox.doorbell == 0
     finally:
         library.proxy_stop(ctypes.addressof(mailbox))
-    assert mailbox.served == 2
+    assert mailbox.served == 3
 
 
 @pytest.mark.cuda
@@ -73,13 +74,17 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
     sized = torch.zeros(1, dtype=torch.int64, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        link.all_to_all_single(static_out, static_in, moved_bytes=sized)
-    for size in (0, 1 << 20):  # the size the replay charges is the tensor's at replay time
-        sized.fill_(size)
+        link.all_to_all_single(static_out, static_in, moved_rows=sized)
+    mailbox = link._proxy.mailbox
+    for rows in (0, 3):  # the rows the replay charges are the tensor's at replay time, at the input's row size
+        sized.fill_(rows)
         static_out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_out, static_in) and int(link._proxy.mailbox.bytes) == size
+        assert torch.equal(static_out, static_in) and (mailbox.units, mailbox.unit_bytes) == (rows, 4 << 16)
+    link.all_to_all_single(static_out, static_in)  # an eager transfer sized when issued: its bytes, once each
+    torch.cuda.synchronize()
+    assert (mailbox.units, mailbox.unit_bytes) == (3 * (4 << 16), 1)
     link.close()
     static_in.copy_(torch.randn_like(static_in))
     graph.replay()  # after close(): the values, no wait for a thread that is gone
@@ -87,18 +92,18 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
     assert torch.equal(static_out, static_in)
 
 
-def test_moved_bytes_only_where_sizes_are_set_on_the_device():
+def test_moved_rows_only_where_sizes_are_set_on_the_device():
     from ubatch.link import HostLink
 
     x = torch.randn(4, 3)
     with pytest.raises(ValueError, match="use a ProxyLink"):
-        HostLink(2, 1000.0, device="cpu").all_to_all_single(torch.zeros_like(x), x, moved_bytes=torch.tensor([8]))
+        HostLink(2, 1000.0, device="cpu").all_to_all_single(torch.zeros_like(x), x, moved_rows=torch.tensor([2]))
     link = ProxyLink(2, 1000.0, device="cpu")
     with pytest.raises(TypeError, match="one-element int64 tensor"):
-        link.all_to_all_single(torch.zeros_like(x), x, moved_bytes=torch.tensor([8.0]))
+        link.all_to_all_single(torch.zeros_like(x), x, moved_rows=torch.tensor([2.0]))
     out = torch.zeros_like(x)
-    link.all_to_all_single(out, x, moved_bytes=torch.tensor([8]))
-    assert torch.equal(out, x) and link.bytes_moved == 8
+    link.all_to_all_single(out, x, moved_rows=torch.tensor([2]))
+    assert torch.equal(out, x) and link.bytes_moved == 2 * 3 * 4, "two rows of three floats"
 
 
 def test_the_waiting_warp_reads_the_flag_and_re_arms_it_under_the_interpreter():

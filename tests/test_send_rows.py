@@ -27,7 +27,7 @@ RUN_CASES = [
 
 CHECK = """
 import torch
-from ubatch.models.dispatch import add_link_rows, dispatch_plan, row_column_offsets, static_tables
+from ubatch.models.dispatch import count_link_rows, dispatch_plan, row_column_offsets, static_tables
 from ubatch.models import send_rows
 
 
@@ -58,15 +58,14 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
     # both against the rows themselves (by their slots: a slot's block and run, or group chunk)
     transfers = chunks if chunks > 1 else runs
     own_rank = world - 1
-    want_link = add_link_rows(
-        torch.ones(2, transfers, dtype=torch.int64, device=device), ids, want_slot, experts // world, chunks, world,
-        tuple(caps), runs=runs, own_rank=own_rank,
-    )
-    got_link = torch.ones(2, transfers, dtype=torch.int64, device=device)
+    stale = torch.full((2, transfers), 7, dtype=torch.int64, device=device)  # the counts are written, not added
+    routed = (ids, want_slot, experts // world, chunks, world, tuple(caps))
+    want_link = count_link_rows(stale.clone(), *routed, runs=runs, own_rank=own_rank)
+    got_link = stale.clone()
     send_rows.dispatch_plan_kernel(*args, runs=runs, link_rows=got_link, own_rank=own_rank)
     assert torch.equal(got_link, want_link), (got_link.tolist(), want_link.tolist())
     kept = (want_slot >= 0) & (torch.arange(world, device=device) != own_rank)
-    assert int(want_link[0].sum()) == int(want_link[1].sum()) == int(kept.sum()) + transfers
+    assert int(want_link[0].sum()) == int(want_link[1].sum()) == int(kept.sum())
     if chunks == 1:
         run = want_slot // (world * (caps[0] // runs))
         sent = returned = [int((kept & (run == r)).sum()) for r in range(runs)]
@@ -77,7 +76,7 @@ def check(tokens, hidden, top_k, experts, chunks, world, caps, dtype, device, se
         first, last = torch.where(on, group, chunks).amin(dim=2), torch.where(on, group, -1).amax(dim=2)
         sent = [int((kept & (first == g)).sum()) for g in range(chunks)]
         returned = [int((kept & (last == g)).sum()) for g in range(chunks)]
-    assert want_link.tolist() == [[1 + n for n in sent], [1 + n for n in returned]], (want_link.tolist(), sent)
+    assert want_link.tolist() == [sent, returned], (want_link.tolist(), sent, returned)
     return int(want_dropped)
 """
 

@@ -174,17 +174,18 @@ def all_to_all_single(
     async_op: bool = False,
     *,
     timeout: float | None = None,
-    link_bytes: torch.Tensor | None = None,
+    link_rows: torch.Tensor | None = None,
 ) -> Any:
-    """``dist.all_to_all_single``, overlapped inside a ubatch. ``link_bytes``: what the transfer
-    really moves, on the device (a padded buffer's real rows), for a link stand-in that sizes its
-    transfers on the GPU (``sizes_on_device``: ``ubatch.proxy_link.ProxyLink``); any other group
-    sends what the splits say and ignores it."""
+    """``dist.all_to_all_single``, overlapped inside a ubatch. ``link_rows``: the rows of ``input``
+    the transfer really moves to other ranks, a one-element int64 tensor on the device (a padded
+    buffer's real rows), for a link stand-in that sizes its transfers on the GPU
+    (``sizes_on_device``: ``ubatch.proxy_link.ProxyLink``); any other group sends what the splits
+    say and ignores it."""
     _check_tensor("output", output)
     _check_tensor("input", input)
 
     def launch(is_async: bool, group: Any, producer: Any) -> Any:
-        sized = link_bytes is not None and is_link(group) and group.sizes_on_device
+        sized = link_rows is not None and is_link(group) and group.sizes_on_device
         return _call(
             "all_to_all_single",
             group,
@@ -194,7 +195,7 @@ def all_to_all_single(
             input_split_sizes,
             async_op=is_async,
             producer=producer,
-            **({"moved_bytes": link_bytes} if sized else {}),
+            **({"moved_rows": link_rows} if sized else {}),
         )
 
     def local() -> None:

@@ -318,7 +318,7 @@ class HostLink:
     moves (None: the first tensor's). ``chunk_bytes``: the largest copy (a tuning knob; the pinned
     ring holds ``RING_SLOTS`` of them). ``bytes_moved`` counts every byte sent so far."""
 
-    sizes_on_device = False  # its copies are sized when issued (or captured): no moved_bytes
+    sizes_on_device = False  # its copies are sized when issued (or captured): no moved_rows
 
     def __init__(
         self,
@@ -400,18 +400,18 @@ class HostLink:
         async_op: bool = False,
         *,
         own_part_stream: torch.cuda.Stream | None = None,
-        moved_bytes: torch.Tensor | None = None,
+        moved_rows: torch.Tensor | None = None,
     ) -> LinkWork | None:
         """output = input; moves the rows addressed to the other W - 1 ranks. A world of one
         receives what it sent, so the output splits must equal the input splits. The rows it
         addresses to itself are copied on ``own_part_stream`` (None: the current stream).
-        ``moved_bytes``: the bytes to charge instead, a one-element int64 tensor on the link's
-        device that the GPU may set (the rows a padded buffer really holds); only links with
-        ``sizes_on_device`` take it."""
+        ``moved_rows``: the rows of ``input`` to charge instead, a one-element int64 tensor on the
+        link's device that the GPU may set (the rows a padded buffer really holds for other
+        ranks), charged at the input's row size; only links with ``sizes_on_device`` take it."""
         op = "all_to_all_single"
         self._check_pair(op, output, input, async_op)
-        if moved_bytes is not None:
-            self._check_moved_bytes(op, moved_bytes)
+        if moved_rows is not None:
+            self._check_moved_rows(op, moved_rows)
         if input.dim() == 0:
             raise ValueError(f"{op} needs tensors with a first dimension, got a 0-dim input")
         if output.shape != input.shape:
@@ -427,8 +427,10 @@ class HostLink:
                 f"{op} on a HostLink returns the input as the output, so output_split_sizes must "
                 f"equal input_split_sizes, got {received} and {sent}"
             )
-        own = sent[0] * (input.nbytes // rows if rows else 0)
-        return self._exchange(op, output, input, own, async_op, own_part_stream, moved_bytes)
+        row_bytes = input.nbytes // rows if rows else 0
+        own = sent[0] * row_bytes
+        sized = None if moved_rows is None else (moved_rows, row_bytes)
+        return self._exchange(op, output, input, own, async_op, own_part_stream, sized)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> LinkWork | None:
         """The tensor unchanged (any reduction over one rank); moves 2(W-1)/W of it (a ring)."""
@@ -494,24 +496,25 @@ class HostLink:
         own: int,
         async_op: bool,
         own_part_stream: Any,
-        moved_bytes: torch.Tensor | None = None,
+        sized: tuple[torch.Tensor, int] | None = None,
     ) -> LinkWork | None:
         """output = input: ``own`` leading bytes copied on the device (on ``own_part_stream``),
-        the rest over the link (``moved_bytes`` of it where given)."""
+        the rest over the link (where ``sized`` is given, (rows on the device, bytes a row): that
+        many bytes of it)."""
         moved = input.nbytes - own
         _check_own_part_stream(op, own_part_stream, self.device)
         if self._is_cpu():
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view(output.shape))
-            return self._cpu_work(op, moved if moved_bytes is None else int(moved_bytes), async_op)
+            return self._cpu_work(op, moved if sized is None else int(sized[0]) * sized[1], async_op)
         with torch.cuda.device(self.device):
             src, dst = _bytes(input), _bytes(output)
             data_stream = own_part_stream or torch.cuda.current_stream()
             if own and output.data_ptr() != input.data_ptr():
                 with torch.cuda.stream(data_stream):
                     dst[:own].copy_(src[:own])
-            self._transfer(src[own:], dst[own:], moved, data_stream, moved_bytes)
-            _in_use_until_done(input, output, moved_bytes)
+            self._transfer(src[own:], dst[own:], moved, data_stream, sized)
+            _in_use_until_done(input, output, None if sized is None else sized[0])
         return self._cuda_work(op, moved, async_op)
 
     def _transfer(
@@ -520,23 +523,24 @@ class HostLink:
         dst: torch.Tensor,
         moved: int,
         data_stream: torch.cuda.Stream,
-        moved_bytes: torch.Tensor | None = None,
+        sized: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         """Move ``moved`` bytes of ``src`` into ``dst`` over the link, ordered on the current stream
         (``data_stream``: where a same-device copy may run; the staging here needs none;
-        ``moved_bytes``: a size the GPU sets, which only links with ``sizes_on_device`` take)."""
+        ``sized``: (rows the GPU sets, bytes a row), which only links with ``sizes_on_device``
+        take)."""
         self._staging().round_trip(src, dst, moved)
 
-    def _check_moved_bytes(self, op: str, moved_bytes: Any) -> None:
+    def _check_moved_rows(self, op: str, moved_rows: Any) -> None:
         if not self.sizes_on_device:
             raise ValueError(
-                f"{op}: {type(self).__name__}'s transfers are sized when issued, so it cannot take moved_bytes "
+                f"{op}: {type(self).__name__}'s transfers are sized when issued, so it cannot take moved_rows "
                 "(a size set on the GPU); use a ProxyLink"
             )
-        if not isinstance(moved_bytes, torch.Tensor) or moved_bytes.dtype != torch.int64 or moved_bytes.numel() != 1:
-            raise TypeError(f"{op}: moved_bytes must be a one-element int64 tensor, got {moved_bytes!r}")
-        if moved_bytes.device != self.device:
-            raise ValueError(f"{op}: moved_bytes is on {moved_bytes.device}, the link on {self.device}")
+        if not isinstance(moved_rows, torch.Tensor) or moved_rows.dtype != torch.int64 or moved_rows.numel() != 1:
+            raise TypeError(f"{op}: moved_rows must be a one-element int64 tensor, got {moved_rows!r}")
+        if moved_rows.device != self.device:
+            raise ValueError(f"{op}: moved_rows is on {moved_rows.device}, the link on {self.device}")
 
     def _cpu_work(self, op: str, moved: int, async_op: bool) -> LinkWork | None:
         seconds = moved / ((self.bandwidth_gbps or DEFAULT_CPU_GBPS) * 1e9)

@@ -19,10 +19,11 @@ its staging adds a stretch of its own (the last piece of each collective returns
   flag. A transfer thus takes max(overhead, bytes / bandwidth), one after another as on one
   communicator.
 
-A collective may charge a size the GPU set (``all_to_all_single(..., moved_bytes=t)``: the rows a
-padded buffer really holds, which the MoE layer passes for its static dispatch and combine, whole,
-in token runs or per expert group), copied into the mailbox on the comm stream before the
-doorbell.
+A collective may charge a size the GPU set (``all_to_all_single(..., moved_rows=t)``: the rows a
+padded buffer really holds for other ranks, which the MoE layer passes for its static dispatch and
+combine, whole, in token runs or per expert group), copied into the mailbox on the comm stream
+before the doorbell, beside the row's size in bytes: the host thread multiplies the two, so no
+kernel computes the bytes.
 
 The values move as a same-device copy on the stream that produced the input (``own_part_stream``,
 as HostLink's own part), joined to the comm stream before the collective completes, so a consumer
@@ -62,11 +63,12 @@ _PROXY_SOURCE = r"""
 #include <sched.h>
 #include <time.h>
 
-/* One link's mailbox, in pinned host memory: the GPU writes bytes and doorbell, the host done. */
+/* One link's mailbox, in pinned host memory: the GPU writes the size and the doorbell, the host done. */
 typedef struct {
-    volatile uint32_t doorbell;  /* 1: a transfer of `bytes` bytes has started */
+    volatile uint32_t doorbell;  /* 1: a transfer of `units` * `unit_bytes` bytes has started */
     volatile uint32_t done;      /* 1: its time on the link is up (the GPU resets it to 0) */
-    volatile uint64_t bytes;
+    volatile uint64_t units;     /* bytes, or rows where the GPU set the count */
+    volatile uint64_t unit_bytes;
     double bytes_per_ns;         /* GB/s */
     double overhead_ns;          /* the doorbell's and the flag's own round trip, not waited again */
     volatile int32_t stop;
@@ -88,7 +90,7 @@ static void *serve(void *arg) {
         double start = now_ns();
         m->doorbell = 0;
         __sync_synchronize();
-        double end = start + (double)m->bytes / m->bytes_per_ns - m->overhead_ns;
+        double end = start + (double)(m->units * m->unit_bytes) / m->bytes_per_ns - m->overhead_ns;
         while (now_ns() < end) {}
         __sync_synchronize();
         m->done = 1;
@@ -110,7 +112,8 @@ class _Mailbox(ctypes.Structure):
     _fields_ = [
         ("doorbell", ctypes.c_uint32),
         ("done", ctypes.c_uint32),
-        ("bytes", ctypes.c_uint64),
+        ("units", ctypes.c_uint64),
+        ("unit_bytes", ctypes.c_uint64),
         ("bytes_per_ns", ctypes.c_double),
         ("overhead_ns", ctypes.c_double),
         ("stop", ctypes.c_int32),
@@ -136,7 +139,8 @@ if triton is not None:
 
 
 _DONE_OFFSET = _Mailbox.done.offset
-_BYTES_OFFSET = _Mailbox.bytes.offset
+_UNITS_OFFSET = _Mailbox.units.offset
+_UNIT_BYTES_OFFSET = _Mailbox.unit_bytes.offset
 _STOP_OFFSET = _Mailbox.stop.offset
 # Mailboxes of closed links, kept for the process: a graph that captured a link still reads its
 # mailbox when replayed, and finds ``stop`` set there (see ``_proxy_link_transfer``).
@@ -211,7 +215,7 @@ class _ProxyThread:
         self.memory = torch.zeros(ctypes.sizeof(_Mailbox), dtype=torch.uint8, pin_memory=True)
         self.mailbox = _Mailbox.from_address(self.memory.data_ptr())
         self.done_flag = self.memory[_DONE_OFFSET : _DONE_OFFSET + 4].view(torch.int32)
-        self.size_word = self.memory[_BYTES_OFFSET : _BYTES_OFFSET + 8].view(torch.int64)
+        self.units_word = self.memory[_UNITS_OFFSET : _UNITS_OFFSET + 8].view(torch.int64)
         self.stop_flag = self.memory[_STOP_OFFSET : _STOP_OFFSET + 4].view(torch.int32)
         self.mailbox.bytes_per_ns = bandwidth_gbps
         driver = _cuda_driver()
@@ -236,18 +240,22 @@ class _ProxyThread:
     def __del__(self) -> None:
         self.close()
 
-    def transfer(self, nbytes: int | torch.Tensor) -> None:
-        """Hold the current stream for ``nbytes`` over the link (a one-element int64 tensor on the
-        device: a size the GPU set, copied into the mailbox): size, doorbell, then the waiting warp."""
+    def transfer(self, units: int | torch.Tensor, unit_bytes: int = 1) -> None:
+        """Hold the current stream for ``units * unit_bytes`` bytes over the link (``units`` a
+        one-element int64 tensor on the device: a count the GPU set, copied into the mailbox):
+        size, doorbell, then the waiting warp."""
         stream = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
         if not capturing and self.last_stream is not None and self.last_stream != stream:
             stream.wait_event(self.done)  # one mailbox: the previous stream's transfer goes first
         handle = ctypes.c_void_p(stream.cuda_stream)
-        if isinstance(nbytes, torch.Tensor):
-            self.size_word.copy_(nbytes.reshape(1), non_blocking=True)
+        if isinstance(units, torch.Tensor):
+            self.units_word.copy_(units.reshape(1), non_blocking=True)
         else:
-            _check(self.driver.cuStreamWriteValue64(handle, self.base + _BYTES_OFFSET, nbytes, 0), "writing the size")
+            _check(self.driver.cuStreamWriteValue64(handle, self.base + _UNITS_OFFSET, units, 0), "writing the size")
+        _check(
+            self.driver.cuStreamWriteValue64(handle, self.base + _UNIT_BYTES_OFFSET, unit_bytes, 0), "writing the size"
+        )
         _check(self.driver.cuStreamWriteValue32(handle, self.base, 1, 0), "ringing the doorbell")
         _proxy_link_transfer[(1,)](self.done_flag, self.stop_flag, num_warps=1)
         if not capturing:
@@ -268,7 +276,7 @@ class ProxyLink(HostLink):
     """A world of one that charges the bytes of a world of ``world_size`` to a link that a host
     thread paces at ``bandwidth_gbps`` (see the module docstring)."""
 
-    sizes_on_device = True  # all_to_all_single's moved_bytes: the size the comm stream writes
+    sizes_on_device = True  # all_to_all_single's moved_rows: the size the comm stream writes
 
     def __init__(self, world_size: int, bandwidth_gbps: float, *, device: torch.device | str | None = None) -> None:
         if bandwidth_gbps is None:
@@ -319,14 +327,14 @@ class ProxyLink(HostLink):
         dst: torch.Tensor,
         moved: int,
         data_stream: torch.cuda.Stream,
-        moved_bytes: torch.Tensor | None = None,
+        sized: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         current = torch.cuda.current_stream()
         if dst.data_ptr() != src.data_ptr():
             with torch.cuda.stream(data_stream):
                 dst.copy_(src)
             current.wait_stream(data_stream)
-        self._thread().transfer(moved if moved_bytes is None else moved_bytes)
+        self._thread().transfer(*((moved,) if sized is None else sized))
 
     def _thread(self) -> _ProxyThread:
         if self._proxy is None:

@@ -266,7 +266,7 @@ def dispatch_plan(
     return back_slot, dropped, _gather_send(x, columns, slot, world * sum(caps))
 
 
-def add_link_rows(
+def count_link_rows(
     link_rows: torch.Tensor,
     ids: torch.Tensor,
     back_slot: torch.Tensor,
@@ -278,7 +278,7 @@ def add_link_rows(
     runs: int = 1,
     own_rank: int = 0,
 ) -> torch.Tensor:
-    """Add to ``link_rows`` [2, n] (int64) the rows of a static plan (``dispatch_plan``'s
+    """Write into ``link_rows`` [2, n] (int64) the rows of a static plan (``dispatch_plan``'s
     ``back_slot``) that go to ranks other than ``own_rank``: row 0 per dispatch all-to-all, row 1
     per combine, n being ``chunks`` expert groups (a row travels with its earliest group on the
     rank and returns with its latest) or, with one group, ``runs``. A link that sizes transfers
@@ -295,7 +295,8 @@ def add_link_rows(
         _, block, back_block = row_blocks(ids, n_local, chunks, world)
         sent = (block // world).clamp(max=chunks - 1).flatten()  # a row not sent adds nothing
         returned = (back_block // world).clamp(max=chunks - 1).flatten()
-    link_rows.view(-1).scatter_add_(0, torch.cat([sent, link_rows.shape[1] + returned]), to_others.repeat(2))
+    index = torch.cat([sent, link_rows.shape[1] + returned])
+    link_rows.zero_().view(-1).scatter_add_(0, index, to_others.repeat(2))
     return link_rows
 
 

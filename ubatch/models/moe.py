@@ -65,8 +65,7 @@ def _start_all_to_all(
         output.copy_(input)
         return None
     received, sent = splits if splits is not None else (None, None)
-    link_bytes = None if link_rows is None else link_rows * (input.shape[1] * input.element_size())
-    return comm.all_to_all_single(output, input, received, sent, group=group, async_op=True, link_bytes=link_bytes)
+    return comm.all_to_all_single(output, input, received, sent, group=group, async_op=True, link_rows=link_rows)
 
 
 def _wait(handle: comm.CollectiveHandle | None) -> None:
@@ -355,14 +354,14 @@ class MoEFFN(nn.Module):
         )
 
     def _link_rows(self, transfers: int, device: torch.device) -> torch.Tensor | None:
-        """Zeros for a static plan to count, per dispatch and per combine all-to-all, the rows to
-        other ranks that hold a token (``dispatch.add_link_rows``) where the group is a link that
+        """Room for a static plan to count, per dispatch and per combine all-to-all, the rows to
+        other ranks that hold a token (``dispatch.count_link_rows``) where the group is a link that
         sizes its transfers on the GPU (``ProxyLink``): it charges those, not the padded blocks
         (each expert group's block pads for itself, 1.5-2x its rows at 256 decode tokens). None
         for any other group."""
         if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
             return None
-        return torch.zeros(2, transfers, dtype=torch.int64, device=device)
+        return torch.empty(2, transfers, dtype=torch.int64, device=device)
 
     def _dispatch_token_chunks(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cap: int

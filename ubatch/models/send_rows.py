@@ -21,10 +21,10 @@ import torch
 from ubatch._triton import tl, triton, triton_available
 from ubatch.models.dispatch import (
     BlockTables,
-    add_link_rows,
     check_link_rows,
     check_runs,
     chunk_major_slots,
+    count_link_rows,
     dispatch_plan,
     dispatch_row_width,
     row_column_offsets,
@@ -83,8 +83,8 @@ def static_plan(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dispatch.dispatch_plan``: by the kernels where they take the inputs, else in torch. The
     dropped count is added to ``counter`` (an int64 device scalar, then returned in its place)
-    where one is given, and each transfer's rows to ranks other than ``own_rank`` to
-    ``link_rows`` (``dispatch.add_link_rows``)."""
+    where one is given, and each transfer's rows to ranks other than ``own_rank`` are written to
+    ``link_rows`` (``dispatch.count_link_rows``)."""
     if kernel_takes(x, ids, weights, chunks, world):
         return dispatch_plan_kernel(
             x,
@@ -102,7 +102,7 @@ def static_plan(
         )
     back_slot, dropped, send = dispatch_plan(x, ids, weights, n_local, chunks, world, caps, tables, runs=runs)
     if link_rows is not None:
-        add_link_rows(link_rows, ids, back_slot, n_local, chunks, world, caps, runs=runs, own_rank=own_rank)
+        count_link_rows(link_rows, ids, back_slot, n_local, chunks, world, caps, runs=runs, own_rank=own_rank)
     return back_slot, dropped if counter is None else counter.add_(dropped), send
 
 
@@ -124,9 +124,9 @@ def dispatch_plan_kernel(
     """``dispatch.dispatch_plan`` in three kernels and two small torch ops, with the same slots,
     dropped count and rows, except that a padding row's hidden state is zeros (no expert reads
     it). With a ``counter`` the plan adds the dropped count to it atomically (ubatches on other
-    streams may count into the same one), and returns it as the count. With ``link_rows`` the
-    placing pass adds each transfer's kept rows to other ranks than ``own_rank`` to it
-    (``dispatch.add_link_rows``), so a link that sizes transfers on the GPU costs no kernel more."""
+    streams may count into the same one), and returns it as the count. Into ``link_rows`` the
+    passes write each transfer's kept rows to ranks other than ``own_rank``
+    (``dispatch.count_link_rows``), so a link that sizes transfers on the GPU costs no kernel more."""
     check_runs(runs, chunks, caps)
     transfers = chunks if chunks > 1 else runs  # all-to-alls of the dispatch, and of the combine
     if link_rows is not None:
@@ -143,6 +143,8 @@ def dispatch_plan_kernel(
     send = x.new_empty(num_slots, width)
     if num_tokens == 0:  # every slot a padding row; the kernels would read from empty tensors
         send.zero_()[:, ids_at : ids_at + top_k] = -1
+        if link_rows is not None:
+            link_rows.zero_()
         return back_slot, dropped, send
     if chunks == 1:
         starts = sizes = back_starts = back_sizes = back_slot  # unread: one chunk has no tables
@@ -161,7 +163,11 @@ def dispatch_plan_kernel(
     meta = dict(CHUNKS=chunks, KEYS=keys, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_ROWS=block_rows, num_warps=4)
     programs = triton.cdiv(num_tokens * world, block_rows)
     counts = torch.empty(programs, meta["KEYS"], dtype=torch.int32, device=x.device)
-    _count_kernel[(programs,)](*scan, counts, source, num_slots, triton.cdiv(num_slots, programs), **meta)
+    link = dict(LINK=link_rows is not None, TRANSFERS=triton.next_power_of_2(transfers))
+    link_ptr = dropped if link_rows is None else link_rows  # unread without LINK
+    _count_kernel[(programs,)](
+        *scan, counts, source, num_slots, triton.cdiv(num_slots, programs), link_ptr, transfers, **link, **meta
+    )
     _place_kernel[(programs,)](
         *scan,
         counts,
@@ -174,13 +180,12 @@ def dispatch_plan_kernel(
         back_starts,
         back_sizes,
         caps[0],
-        dropped if link_rows is None else link_rows,  # unread without LINK
+        link_ptr,
         own_rank,
         caps[0] // runs,
         transfers,
         BASE_TILE=_BASE_TILE,
-        LINK=link_rows is not None,
-        TRANSFERS=triton.next_power_of_2(transfers),
+        **link,
         **meta,
     )
     if num_slots:
@@ -268,13 +273,22 @@ if triton is not None:
         source_ptr,
         num_slots,
         slots_per_program,
+        link_ptr,
+        num_transfers,
         CHUNKS: tl.constexpr,
         KEYS: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
+        LINK: tl.constexpr,
+        TRANSFERS: tl.constexpr,
     ):
         """Pass one: this block's rows per key, ``counts[program, key]``; and this program's share
-        of the send slots cleared to -1 (no row), before pass two writes the kept rows' ones."""
+        of the send slots cleared to -1 (no row), before pass two writes the kept rows' ones; with
+        ``LINK`` the first program clears the [2, ``num_transfers``] link counts pass two adds to."""
+        if LINK:
+            if tl.program_id(0) == 0:
+                every = tl.arange(0, 2 * TRANSFERS)
+                tl.store(link_ptr + every, tl.zeros((2 * TRANSFERS,), tl.int64), mask=every < 2 * num_transfers)
         keys = tl.arange(0, KEYS)
         _, _, _, _, _, _, hit, _, _ = _row_keys(
             ids_ptr, num_rows, top_k, n_local, group_size, world, CHUNKS, KEYS, BLOCK_K, BLOCK_ROWS
