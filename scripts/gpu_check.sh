@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy, proxy_decode: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy, proxy_decode, proxy_w4: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -209,9 +209,17 @@ if want proxy; then  # the proxy-paced link: its tests and probe, then the targe
     prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
     timeout 200 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $prefill \
       --preset moe-bench --modes split4,split2+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
-    timeout 190 $proxy_ratio --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
-      --preset deepseek-bench --modes split4,split3+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+    # as one rank of eight each expert takes 4096 rows, twice as many as in a world of four, so a
+    # split's expert GEMMs lose less to part-empty tiles (a world the copy engines could not reach)
+    timeout 200 $proxy_ratio --world 8 --probe-gbps 75 --out "$OUT/proxy_ds_prefill4096_w8_r095.json" -- $prefill \
+      --preset deepseek-bench --modes split4,split3+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
   fi
+fi
+if want proxy_w4; then  # deepseek-bench prefill over the proxy-paced link as one rank of four (runs 24-27's world)
+  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
+  prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
+  timeout 190 $proxy_ratio --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
+    --preset deepseek-bench --modes split4,split3+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
 fi
 if want proxy_decode; then  # the decode points over the proxy-paced link, a call of their own (after proxy's tests)
   proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
