@@ -32,6 +32,7 @@ from ubatch.models import ModelConfig, build_model
 from ubatch.models.dispatch import balanced_chunk_rows
 from ubatch.overlap import OverlapMode, apply_mode, parse_modes, supported
 from ubatch.policy import ModePolicy
+from ubatch.proxy_link import ProxyLink
 
 
 @pytest.mark.parametrize(
@@ -527,7 +528,7 @@ def test_the_schedule_model_sends_each_modes_own_padding():
     """Each ubatch is a dispatch of its own, padded for its own call shape, and its token chunks
     cut its blocks into runs: the model's M is the unsplit step's times the rows the mode's
     dispatches send over the unsplit step's (the combine returns as many), and its efficiency stays
-    against the run's ideal."""
+    against the run's ideal. A link charged the real rows (a ProxyLink) pays for no padding."""
     model = build_model(ModelConfig.preset("tiny-moe", capacity_factor=1.5), device="cpu", ep_group=HostLink(4))
     step, _ = make_step(model, [16] * 4)
     for moe in model.moe_layers.values():  # as measured: fewer tokens a call fill their blocks more unevenly
@@ -544,6 +545,11 @@ def test_the_schedule_model_sends_each_modes_own_padding():
     assert layer.expert_chunks == 1 and layer.token_chunks == 1, "the model's mode is put back"
     counted = build_model(ModelConfig.preset("tiny-moe"), device="cpu", ep_group=HostLink(4))
     assert payload_ratio(counted, step, OverlapMode.parse("tokens4")) == 1.0
+    # a link that sizes transfers on the GPU is charged the real rows however the blocks pad
+    proxied = build_model(ModelConfig.preset("tiny-moe", capacity_factor=1.5), device="cpu", ep_group=ProxyLink(4, 1e6))
+    for moe in proxied.moe_layers.values():
+        moe.shape_capacity_factors = layer.shape_capacity_factors
+    assert payload_ratio(proxied, step, OverlapMode.parse("split2+tokens2")) == 1.0
     mode = OverlapMode.parse("split2+tokens2")
     fields = model_fields(mode, compute_ms=20.0, comm_ms=18.0, payload_ratio=1.25, layers=4, ep_world=4)
     assert fields["schedule_model_ms"] == pytest.approx(
@@ -582,7 +588,8 @@ def test_the_taxed_schedule_model_charges_the_weights_a_mode_reads_again():
 def test_the_schedule_model_sends_each_expert_groups_own_rows():
     """A row travels in the chunk of its earliest expert group on the rank, so with fine-grained
     experts the first chunk carries the most rows: the model takes each group's share of the
-    first ubatch's capacity per chunk, and none for modes without expert groups."""
+    first ubatch's capacity per chunk (over a link charged the real rows, a uniform router's rows
+    per chunk), and none for modes without expert groups."""
     config = ModelConfig.preset("tiny-deepseek", capacity_factor=1.5)
     model = build_model(config, device="cpu", ep_group=HostLink(2))
     step, _ = make_step(model, [16] * 4)
@@ -597,6 +604,11 @@ def test_the_schedule_model_sends_each_expert_groups_own_rows():
         assert shares[0] > shares[-1], "a token's earliest group carries it"
     assert chunk_shares(model, step, OverlapMode.parse("split2")) is None
     assert layer.expert_chunks == 1, "the model's mode is put back"
+    proxied = build_model(config, device="cpu", ep_group=ProxyLink(2, 1e6))  # charged real rows: no group's padding
+    for moe in proxied.moe_layers.values():
+        moe.chunk_capacity_factors = {4: (1.5, 2.0, 2.5, 3.0)}  # the later groups' blocks pad more
+    want = balanced_chunk_rows(64, config.num_experts, config.top_k, 2, 4)
+    assert chunk_shares(proxied, step, OverlapMode.parse("pipeline4")) == pytest.approx([r / sum(want) for r in want])
     mode = OverlapMode.parse("pipeline4")
     even = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=2)
     uneven = model_fields(mode, compute_ms=20.0, comm_ms=18.0, layers=4, ep_world=2, chunk_shares=[0.4, 0.3, 0.2, 0.1])

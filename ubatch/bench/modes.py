@@ -469,10 +469,10 @@ def paired_fields(speedups: Sequence[float] | None, ideal: float) -> dict[str, A
 def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
     """Rows ``mode``'s dispatches send in one MoE layer over the rows the unsplit step's sends
     (``MoEFFN.static_rows`` of each ubatch: its capacity per call shape, padded for its own
-    fullest block); 1 where nothing is padded (no MoE layer, no capacity factor: the counted
-    dispatch sends the real rows)."""
-    layer = next((layer for layer in moe_layers(model) if layer.capacity_factor is not None), None)
-    if layer is None:
+    fullest block); 1 where the link pays for no padding (no MoE layer, or one that charges its
+    real rows: no capacity factor, or a link that sizes transfers on the GPU)."""
+    layer = next(iter(moe_layers(model)), None)
+    if layer is None or layer.charges_real_rows:
         return 1.0
 
     def rows(m: OverlapMode) -> int:
@@ -484,14 +484,14 @@ def payload_ratio(model: Any, step: Step, mode: OverlapMode) -> float:
 
 def chunk_shares(model: Any, step: Step, mode: OverlapMode) -> list[float] | None:
     """Each expert group's share of the rows ``mode``'s first ubatch dispatches (``MoEFFN.capacity``
-    per chunk; without a capacity factor, what a uniform router sends), for the schedule model;
-    None where the mode has no expert groups or the model no MoE layer."""
+    per chunk; where the link is charged real rows, what a uniform router sends), for the
+    schedule model; None where the mode has no expert groups or the model no MoE layer."""
     layer = next(iter(moe_layers(model)), None)
     if layer is None or mode.expert_chunks == 1:
         return None
     first = step.slices(mode.num_ubatches)[0].token_slice
     num_tokens = first.stop - first.start
-    if layer.capacity_factor is None:
+    if layer.charges_real_rows:
         experts = layer.num_local_experts * layer.ep_world
         rows = balanced_chunk_rows(num_tokens, experts, layer.top_k, layer.ep_world, mode.expert_chunks)
     else:

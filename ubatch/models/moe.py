@@ -232,6 +232,14 @@ class MoEFFN(nn.Module):
         return [max(1, min(num_tokens, math.ceil(f * share))) for f, share in zip(factors, shares)]
 
     @property
+    def charges_real_rows(self) -> bool:
+        """Whether the link is charged only the rows a dispatch or combine really holds: always
+        without a capacity factor (the counted dispatch sends them alone), and under one where
+        the expert-parallel group sizes its transfers on the GPU (``ProxyLink``), to which the
+        static plan hands its counts."""
+        return self.capacity_factor is None or (is_link(self.ep_group) and self.ep_group.sizes_on_device)
+
+    @property
     def expert_chunks(self) -> int:
         """Groups of local experts the dispatch -> experts -> combine chain is pipelined over."""
         return self._expert_chunks
@@ -359,7 +367,7 @@ class MoEFFN(nn.Module):
         sizes its transfers on the GPU (``ProxyLink``): it charges those, not the padded blocks
         (each expert group's block pads for itself, 1.5-2x its rows at 256 decode tokens). None
         for any other group."""
-        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):
+        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):  # charges_real_rows, under a capacity
             return None
         return torch.empty(2, transfers, dtype=torch.int64, device=device)
 
