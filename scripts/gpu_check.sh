@@ -228,6 +228,10 @@ if want proxy_decode; then  # the decode points over the proxy-paced link, a cal
     --preset deepseek-bench --modes split2,split3+join,split4+join,split2+join+pipeline4 2>&1 | grep -E "^ +256|reached|auto"
   timeout 120 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $decode \
     --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
+  # what a ubatch and an expert group cost today, kernel by kernel (the joined stages need both cut)
+  timeout 100 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
+    --link proxy:24:w8 --modes split2,split2+join+pipeline4 --top 40 2>&1 | grep -v -i warn \
+    | tee "$OUT/mode_kernels_proxy_ds_decode256_w8.log" | grep '^{'
 fi
 if want grouped_gemm; then  # a split's expert GEMMs over skewed rows: torch's grouped GEMM against the probe's
   # Triton one with 64- and 128-row tiles (deepseek-bench prefill as one rank of four: 16 experts, 512 / 2048 rows)
