@@ -135,7 +135,19 @@ def main(argv: list[str] | None = None) -> None:
         "reached": round(reached, 4),
     }
     args.out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"the sweep reached M / C {reached:.2f} (asked {args.ratio:g}){miss_reason(args.ratio, reached, link)}")
+    print(
+        f"the sweep reached M / C {reached:.2f} (asked {args.ratio:g}){miss_reason(args.ratio, reached, link)}"
+        + warp_lag_note(report["setup"].get("link", {}))
+    )
+
+
+def warp_lag_note(link: dict) -> str:
+    """For a proxy-paced link, how late its waiting warp took the completion flags back (a warp that
+    waited for an SM stretched those transfers past the link's time); "" for any other link."""
+    lag = link.get("warp_lag_us")
+    if not lag:
+        return ""
+    return f"; the link's waiting warp took its flags back {lag['mean']:g} us late on average, {lag['max']:g} at most"
 
 
 def miss_reason(asked: float, reached: float, link: str) -> str:

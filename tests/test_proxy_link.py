@@ -45,15 +45,21 @@ def test_host_thread_waits_the_links_time_less_its_overhead():
     try:
         # 20 ms at 1 GB/s, less the 2 ms: as bytes, and as rows of a size
         for units, unit_bytes, at_least in ((0, 1, 0.0), (20_000_000, 1, 0.018), (5_000, 4_000, 0.018)):
-            mailbox.units, mailbox.unit_bytes, mailbox.done = units, unit_bytes, 0
+            mailbox.units, mailbox.unit_bytes = units, unit_bytes
             start = time.perf_counter()
             mailbox.doorbell = 1
             while mailbox.done != 1:
                 assert time.perf_counter() - start < 5, "the host thread never completed the transfer"
             assert time.perf_counter() - start >= at_least and mailbox.doorbell == 0
+            lagged = mailbox.lagged
+            time.sleep(0.003)  # a warp that waited 3 ms for an SM before it took the flag back
+            mailbox.done = 0
+            while mailbox.lagged == lagged:
+                assert time.perf_counter() - start < 5, "the host thread never saw the flag taken back"
     finally:
         library.proxy_stop(ctypes.addressof(mailbox))
-    assert mailbox.served == 3
+    assert mailbox.served == 3 and mailbox.lagged == 3
+    assert 3e6 <= mailbox.lag_max_ns <= mailbox.lag_total_ns and mailbox.lag_total_ns >= 9e6
 
 
 @pytest.mark.cuda
@@ -63,7 +69,9 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
     link.prepare()
     info = link.describe()
     assert info["overhead_us"] > 0 and info["bandwidth_reached_gbps"] > 0
-    served = link._proxy.mailbox.served
+    lag = info["warp_lag_us"]  # on an idle GPU the waiting warp sits on an SM: it takes the flag back at once
+    served = link._proxy.mailbox.served  # the last flag's lag may land just after the host reads them
+    assert served - 1 <= lag["transfers"] <= served and 0 < lag["mean"] <= lag["max"] < 1000, lag
     static_in = torch.randn(4, 1 << 16, device="cuda")
     static_out = torch.zeros_like(static_in)
     link.all_to_all_single(static_out, static_in)

@@ -11,7 +11,9 @@ its staging adds a stretch of its own (the last piece of each collective returns
   CUDA graphs), then one warp, ``_proxy_link_transfer``, polls a completion flag there and re-arms
   it. The driver's own wait (``cuStreamWaitValue32``) would hold no SM at all, but a profiler does
   not see it, and the bench measures a step's communication (M) from the profiled kernels: the warp
-  makes the transfer a kernel in the trace, named as communication, for one warp slot of one SM;
+  makes the transfer a kernel in the trace, named as communication, for one warp slot of one SM
+  (where kernels hold every SM's room the warp waits for one and the transfer lasts that long: the
+  host thread measures how long each flag stays set, ``describe()``'s ``warp_lag_us``);
 - a host thread (C, compiled on first use with the system's C compiler, as Triton compiles its
   launchers) sees the doorbell, waits ``bytes / bandwidth`` less the round trip the doorbell and the
   flag cost anyway (``overhead_us``, measured at ``prepare()``; the probe's, with the driver's wait, 13-16 us on an
@@ -74,6 +76,9 @@ typedef struct {
     volatile int32_t stop;
     int32_t unused;
     volatile uint64_t served;
+    volatile double lag_total_ns; /* from setting `done` to the warp taking it back, summed */
+    volatile double lag_max_ns;
+    volatile uint64_t lagged;     /* transfers whose lag was seen */
     pthread_t thread;
 } mailbox_t;
 
@@ -95,6 +100,16 @@ static void *serve(void *arg) {
         __sync_synchronize();
         m->done = 1;
         m->served++;
+        /* The warp that waits for the flag needs an SM: one it could not get (all held by kernels
+           that leave no room) holds the comm stream past the link's time. Measure how long. */
+        double set = now_ns();
+        while (m->done == 1 && m->doorbell != 1 && !m->stop) {}
+        if (m->done == 0) {
+            double lag = now_ns() - set;
+            m->lag_total_ns += lag;
+            if (lag > m->lag_max_ns) m->lag_max_ns = lag;
+            m->lagged++;
+        }
     }
     return 0;
 }
@@ -119,6 +134,9 @@ class _Mailbox(ctypes.Structure):
         ("stop", ctypes.c_int32),
         ("unused", ctypes.c_int32),
         ("served", ctypes.c_uint64),
+        ("lag_total_ns", ctypes.c_double),
+        ("lag_max_ns", ctypes.c_double),
+        ("lagged", ctypes.c_uint64),
         ("thread", ctypes.c_ulong),
     ]
 
@@ -231,6 +249,15 @@ class _ProxyThread:
         self.mailbox.overhead_ns = self.overhead_us * 1e3
         self.reached_gbps = {n: n / (self._time_us(n) * 1e3) for n in REACHED_BYTES}
 
+    def warp_lag_us(self) -> dict[str, float | int]:
+        """How long the waiting warp took to take each completion flag back, in us (mean and max
+        over the link's transfers so far): a few us where it sat on an SM, far more where it
+        waited for one behind kernels that held them all, which the link's time then does not
+        bound (each transfer takes at least that long)."""
+        box = self.mailbox
+        mean = box.lag_total_ns / box.lagged / 1e3 if box.lagged else 0.0
+        return {"mean": round(mean, 2), "max": round(box.lag_max_ns / 1e3, 2), "transfers": box.lagged}
+
     def close(self) -> None:
         if self.library is not None:
             self.library.proxy_stop(ctypes.addressof(self.mailbox))
@@ -313,6 +340,7 @@ class ProxyLink(HostLink):
                 bandwidth_reached_gbps=by_bytes[REACHED_BYTES[-1]],
                 reached_gbps_by_bytes=by_bytes,
                 overhead_us=round(self._proxy.overhead_us, 2),
+                warp_lag_us=self._proxy.warp_lag_us(),
             )
         if self.device is None or self.device.type == "cuda":
             row["method"] = (
