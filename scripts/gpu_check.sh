@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy, proxy_decode, proxy_w4: on request
+parts=${GPU_CHECK_PARTS:-tests link modes modes_prefill modes_tp modes_fused sm sm_slow prefill prefill_green prefill_graphs balanced mixed dense decode comm_waits first_use spec generate}  # flash_stage, flash, expert_gemm, modes_prefill_sweeps (the prefill sweeps alone), modes_w8, modes_w8_prefill, decode_kernel, decode_kernel_w8, glue_kernels, router, targets, grouped_gemm, proxy, proxy_more: on request
 want() { [[ " $parts " == *" $1 "* ]]; }
 # flash-attn 4, staged by scripts/stage_flash_attn4.sh: flash_stage alone in one call (carrying
 # only .fa4a, so before anything needs .whl), the rest in the call right after
@@ -198,40 +198,36 @@ if want targets; then  # the overlap-modes issue's points on one GPU as run 25 m
   timeout 80 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
     --link host::w8 --modes split2 --top 25 2>&1 | grep -v -i warn | tee "$OUT/mode_kernels_deepseek_decode256_w8.log" | grep '^{'
 fi
-if want proxy; then  # the proxy-paced link: its tests and probe, then the targets in the regime only it reaches
+proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
+proxy_prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
+proxy_decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
+if want proxy; then  # the proxy-paced link: its tests and probe, then the issue's four points in the regime only it
+  # reaches (M / C 0.95, one rank of eight), the likeliest first; each sweep takes 1-2 minutes (run 27's over HostLink)
   timeout 90 python3 -m pytest -q --capture=sys -m cuda -p no:cacheprovider tests/test_proxy_link.py \
     tests/test_link.py::test_cuda_graph_capture_and_replay 2>&1 | tee "$OUT/gpu_proxy_link_tests.log" | tail -3
   if grep -qE '[0-9]+ (failed|errors?)' "$OUT/gpu_proxy_link_tests.log"; then
     echo "proxy link tests failed: no sweeps over it"
   else
     timeout 45 python3 scripts/probe_proxy_link.py --gbps 25 2>&1 | tee "$OUT/probe_proxy_link.log"
-    proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
-    prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
-    timeout 200 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $prefill \
+    timeout 150 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $proxy_prefill \
       --preset moe-bench --modes split4,split2+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+    timeout 120 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $proxy_decode \
+      --preset deepseek-bench --modes split2,split3+join,split4+join,split2+join+pipeline4 2>&1 | grep -E "^ +256|reached|auto"
     # as one rank of eight each expert takes 4096 rows, twice as many as in a world of four, so a
     # split's expert GEMMs lose less to part-empty tiles (a world the copy engines could not reach)
-    timeout 200 $proxy_ratio --world 8 --probe-gbps 75 --out "$OUT/proxy_ds_prefill4096_w8_r095.json" -- $prefill \
+    timeout 150 $proxy_ratio --world 8 --probe-gbps 75 --out "$OUT/proxy_ds_prefill4096_w8_r095.json" -- $proxy_prefill \
       --preset deepseek-bench --modes split4,split3+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+    timeout 90 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $proxy_decode \
+      --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
   fi
 fi
-if want proxy_w4; then  # deepseek-bench prefill over the proxy-paced link as one rank of four (runs 24-27's world)
-  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
-  prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
-  timeout 190 $proxy_ratio --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $prefill \
-    --preset deepseek-bench --modes split4,split3+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
-fi
-if want proxy_decode; then  # the decode points over the proxy-paced link, a call of their own (after proxy's tests)
-  proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
-  decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
-  timeout 200 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $decode \
-    --preset deepseek-bench --modes split2,split3+join,split4+join,split2+join+pipeline4 2>&1 | grep -E "^ +256|reached|auto"
-  timeout 120 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $decode \
-    --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
-  # what a ubatch and an expert group cost today, kernel by kernel (the joined stages need both cut)
+if want proxy_more; then  # after proxy: what a ubatch and an expert group cost today over the link, kernel by
+  # kernel (the joined stages need both cut), and deepseek-bench prefill as one rank of four (runs 24-27's world)
   timeout 100 python3 scripts/mode_kernels.py --preset deepseek-bench --tokens 256 --layers 4 --capacity-factor measured \
     --link proxy:24:w8 --modes split2,split2+join+pipeline4 --top 40 2>&1 | grep -v -i warn \
     | tee "$OUT/mode_kernels_proxy_ds_decode256_w8.log" | grep '^{'
+  timeout 190 $proxy_ratio --world 4 --probe-gbps 45 --out "$OUT/proxy_ds_prefill4096_w4_r095.json" -- $proxy_prefill \
+    --preset deepseek-bench --modes split4,split3+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
 fi
 if want grouped_gemm; then  # a split's expert GEMMs over skewed rows: torch's grouped GEMM against the probe's
   # Triton one with 64- and 128-row tiles (deepseek-bench prefill as one rank of four: 16 experts, 512 / 2048 rows)
