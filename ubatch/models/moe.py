@@ -237,7 +237,11 @@ class MoEFFN(nn.Module):
         without a capacity factor (the counted dispatch sends them alone), and under one where
         the expert-parallel group sizes its transfers on the GPU (``ProxyLink``), to which the
         static plan hands its counts."""
-        return self.capacity_factor is None or (is_link(self.ep_group) and self.ep_group.sizes_on_device)
+        return self.capacity_factor is None or self._link_sizes_on_device
+
+    @property
+    def _link_sizes_on_device(self) -> bool:
+        return is_link(self.ep_group) and self.ep_group.sizes_on_device
 
     @property
     def expert_chunks(self) -> int:
@@ -325,7 +329,7 @@ class MoEFFN(nn.Module):
         if self.token_chunks > 1:
             return self._dispatch_token_chunks(x, ids, weights, caps[0])
         tables, row_block = self._static_layout(caps, x.device)
-        link = self._link_rows(chunks, x.device)
+        link = self._link_counts(chunks, x.device)
         back_slot, _, send = send_rows.static_plan(
             x,
             ids,
@@ -361,13 +365,13 @@ class MoEFFN(nn.Module):
             comb_link_rows=comb_link_rows,
         )
 
-    def _link_rows(self, transfers: int, device: torch.device) -> torch.Tensor | None:
+    def _link_counts(self, transfers: int, device: torch.device) -> torch.Tensor | None:
         """Room for a static plan to count, per dispatch and per combine all-to-all, the rows to
         other ranks that hold a token (``dispatch.count_link_rows``) where the group is a link that
         sizes its transfers on the GPU (``ProxyLink``): it charges those, not the padded blocks
         (each expert group's block pads for itself, 1.5-2x its rows at 256 decode tokens). None
         for any other group."""
-        if not (is_link(self.ep_group) and self.ep_group.sizes_on_device):  # charges_real_rows, under a capacity
+        if not self._link_sizes_on_device:
             return None
         return torch.empty(2, transfers, dtype=torch.int64, device=device)
 
@@ -382,7 +386,7 @@ class MoEFFN(nn.Module):
         eight ranks, run 19)."""
         chunks, world = self.token_chunks, self.ep_world
         run = math.ceil(cap / chunks)
-        link = self._link_rows(chunks, x.device)
+        link = self._link_counts(chunks, x.device)
         back_slot, _, send = send_rows.static_plan(
             x,
             ids,
