@@ -137,17 +137,17 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(report, indent=2, default=str))
     print(
         f"the sweep reached M / C {reached:.2f} (asked {args.ratio:g}){miss_reason(args.ratio, reached, link)}"
-        + warp_lag_note(report["setup"].get("link", {}))
+        + flag_lag_note(report["setup"].get("link", {}))
     )
 
 
-def warp_lag_note(link: dict) -> str:
-    """For a proxy-paced link, how late its waiting warp took the completion flags back (a warp that
+def flag_lag_note(link: dict) -> str:
+    """For a proxy-paced link, how late the GPU took its completion flags back (a waiting warp that
     waited for an SM stretched those transfers past the link's time); "" for any other link."""
-    lag = link.get("warp_lag_us")
+    lag = link.get("flag_lag_us")
     if not lag:
         return ""
-    return f"; the link's waiting warp took its flags back {lag['mean']:g} us late on average, {lag['max']:g} at most"
+    return f"; the GPU took the link's flags back {lag['mean']:g} us late on average, {lag['max']:g} at most"
 
 
 def miss_reason(asked: float, reached: float, link: str) -> str:

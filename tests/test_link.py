@@ -279,12 +279,15 @@ def test_world_and_rank_are_what_models_shard_for():
         ("host:50:w1", 1, 50.0),
         ("proxy:100:w8", 8, 100.0),
         ("proxy:12.5", 2, 12.5),
+        ("proxy:25:w8:warp", 8, 25.0),
+        ("proxy:25:w4:stream", 4, 25.0),
     ],
 )
 def test_parse_link(text, world, gbps):
     link = parse_link(text)
     assert (link.world_size, link.bandwidth_gbps) == (world, gbps)
     assert type(link).__name__ == ("ProxyLink" if text.startswith("proxy") else "HostLink")
+    assert link.transfers_in_trace == (not text.startswith("proxy") or text.endswith(":warp"))
 
 
 @pytest.mark.parametrize(
@@ -305,6 +308,9 @@ def test_parse_link(text, world, gbps):
         "proxy",
         "proxy::w8",
         "proxy:0",
+        "proxy:25:w8:spin",
+        "proxy:25:warp",
+        "host:25:w8:warp",
     ],
 )
 def test_parse_link_names_the_bad_text(text):

@@ -764,11 +764,12 @@ def test_sweep_at_ratio_proxy_links_have_no_copy_engine_cap():
     assert sweep_at_ratio.link_for_ratio(0.001, probe, None, kind="proxy") == "proxy:1e+03"
 
 
-def test_sweep_at_ratio_says_how_late_a_proxy_links_warp_took_its_flags_back():
-    """A proxy-paced link's report carries its waiting warp's lag; the sweep's last line says it
-    (a warp that waited for an SM stretched its transfers), and nothing for any other link."""
+def test_sweep_at_ratio_says_how_late_a_proxy_links_flags_were_taken_back():
+    """A proxy-paced link's report carries how late the GPU took its flags back; the sweep's last
+    line says it (a warp that waited for an SM stretched its transfers), and nothing for any other
+    link."""
     lag = {"mean": 2.5, "max": 40.0, "transfers": 960}
-    assert sweep_at_ratio.warp_lag_note({"warp_lag_us": lag}) == (
-        "; the link's waiting warp took its flags back 2.5 us late on average, 40 at most"
+    assert sweep_at_ratio.flag_lag_note({"flag_lag_us": lag}) == (
+        "; the GPU took the link's flags back 2.5 us late on average, 40 at most"
     )
-    assert sweep_at_ratio.warp_lag_note({"copy_engine_gbps": 50.0}) == ""
+    assert sweep_at_ratio.flag_lag_note({"copy_engine_gbps": 50.0}) == ""

@@ -1,6 +1,6 @@
-"""``ubatch.proxy_link``: the CPU link it shares with HostLink, its host thread's pacing (on the CPU,
-with a mailbox in ordinary memory standing for the pinned one), and on a GPU: values, graph capture
-and replay, and the transfers the thread served."""
+"""``ubatch.proxy_link``: the CPU link it shares with HostLink, its host thread's pacing and clock (on
+the CPU, with a mailbox in ordinary memory standing for the pinned one), and on a GPU, waiting in
+the driver and in a warp: values, graph capture and replay, and the transfers the thread served."""
 
 import ctypes
 import time
@@ -21,11 +21,15 @@ def _compiler_or_skip():
         pytest.skip(str(exc))
 
 
-def test_needs_a_bandwidth_and_is_a_link():
+def test_needs_a_bandwidth_and_a_known_wait_and_is_a_link():
     with pytest.raises(ValueError, match="needs a bandwidth"):
         ProxyLink(2, None)
+    with pytest.raises(ValueError, match="wait must be one of stream, warp, got 'spin'"):
+        ProxyLink(2, 10.0, wait="spin")
     link = ProxyLink(4, 50.0, device="cpu")
-    assert is_link(link) and link.size() == 4 and repr(link) == "ProxyLink(world_size=4, bandwidth_gbps=50.0)"
+    assert is_link(link) and link.size() == 4
+    assert repr(link) == "ProxyLink(world_size=4, bandwidth_gbps=50.0, wait='stream')"
+    assert not link.transfers_in_trace and ProxyLink(4, 50.0, wait="warp").transfers_in_trace
 
 
 def test_cpu_link_leaves_values_and_charges_a_rank_of_w():
@@ -34,8 +38,9 @@ def test_cpu_link_leaves_values_and_charges_a_rank_of_w():
     out = torch.zeros_like(x)
     link.all_to_all_single(out, x)
     assert torch.equal(out, x) and link.bytes_moved == x.nbytes * 3 // 4
+    assert link.busy_ms() == pytest.approx(link.bytes_moved / 1e12 * 1e3), "its clock: the bytes over the bandwidth"
     info = link.describe()
-    assert info["kind"] == "proxy-link stand-in" and info["bandwidth_set_gbps"] == 1000.0
+    assert info["kind"] == "proxy-link stand-in" and info["bandwidth_set_gbps"] == 1000.0 and info["wait"] == "stream"
 
 
 def test_host_thread_waits_the_links_time_less_its_overhead():
@@ -56,27 +61,40 @@ def test_host_thread_waits_the_links_time_less_its_overhead():
             mailbox.done = 0
             while mailbox.lagged == lagged:
                 assert time.perf_counter() - start < 5, "the host thread never saw the flag taken back"
+        assert 0.042 <= mailbox.busy_ns / 1e9 < 0.5, "2 + 20 + 20 ms: each transfer's time, its round trip included"
+        busy = mailbox.busy_ns
+        mailbox.closed = 1  # closed: no time on the link, and none counted
+        mailbox.units, mailbox.unit_bytes = 20_000_000, 1
+        start = time.perf_counter()
+        mailbox.doorbell = 1
+        while mailbox.done != 1:
+            assert time.perf_counter() - start < 5, "a closed link's thread never served the transfer"
+        assert time.perf_counter() - start < 0.018 and mailbox.busy_ns == busy
     finally:
         library.proxy_stop(ctypes.addressof(mailbox))
-    assert mailbox.served == 3 and mailbox.lagged == 3
+    assert mailbox.served == 4 and mailbox.lagged == 3
     assert 3e6 <= mailbox.lag_max_ns <= mailbox.lag_total_ns and mailbox.lag_total_ns >= 9e6
 
 
 @pytest.mark.cuda
-def test_cuda_values_capture_and_replay_served_by_the_thread():
+@pytest.mark.parametrize("wait", ["stream", "warp"])
+def test_cuda_values_capture_and_replay_served_by_the_thread(wait):
     _compiler_or_skip()
-    link = ProxyLink(4, 50.0)
+    link = ProxyLink(4, 50.0, wait=wait)
     link.prepare()
     info = link.describe()
     assert info["overhead_us"] > 0 and info["bandwidth_reached_gbps"] > 0
-    lag = info["warp_lag_us"]  # on an idle GPU the waiting warp sits on an SM: it takes the flag back at once
+    lag = info["flag_lag_us"]  # on an idle GPU the wait is ready: the flag is taken back at once
     served = link._proxy.mailbox.served  # the last flag's lag may land just after the host reads them
     assert served - 1 <= lag["transfers"] <= served and 0 < lag["mean"] <= lag["max"] < 1000, lag
+    busy = link.busy_ms()
     static_in = torch.randn(4, 1 << 16, device="cuda")
     static_out = torch.zeros_like(static_in)
     link.all_to_all_single(static_out, static_in)
     torch.cuda.synchronize()
     assert torch.equal(static_out, static_in) and link._proxy.mailbox.served == served + 1
+    paced_ms = 3 * (4 << 16) / 50e6  # three rows of 256 KiB at 50 GB/s: 15.7 us, about one round trip
+    assert max(paced_ms, link._proxy.overhead_us / 1e3) * 0.5 < link.busy_ms() - busy < 1.0, "its clock"
     replay_captured_collectives(link, static_in, replays=3)
     assert link._proxy.mailbox.served == served + 1 + 3 * 2
     sized = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -95,9 +113,11 @@ def test_cuda_values_capture_and_replay_served_by_the_thread():
     assert (mailbox.units, mailbox.unit_bytes) == (3 * (4 << 16), 1)
     link.close()
     static_in.copy_(torch.randn_like(static_in))
-    graph.replay()  # after close(): the values, no wait for a thread that is gone
+    sized.fill_(1 << 30)  # a replay that paced these rows would not end for hours
+    start = time.perf_counter()
+    graph.replay()  # after close(): the values, served at once by the napping thread
     torch.cuda.synchronize()
-    assert torch.equal(static_out, static_in)
+    assert torch.equal(static_out, static_in) and time.perf_counter() - start < 1.0
 
 
 def test_moved_rows_only_where_sizes_are_set_on_the_device():
@@ -119,12 +139,8 @@ def test_the_waiting_warp_reads_the_flag_and_re_arms_it_under_the_interpreter():
 import torch
 from ubatch.proxy_link import _proxy_link_transfer
 
-open_link = torch.tensor([0], dtype=torch.int32)
 done = torch.tensor([1], dtype=torch.int32)  # the host thread has set it: no wait
-_proxy_link_transfer[(1,)](done, open_link, num_warps=1)
-assert done.tolist() == [0], done
-closed = torch.tensor([1], dtype=torch.int32)  # a closed link: nobody sets the flag, nothing waits
-_proxy_link_transfer[(1,)](done, closed, num_warps=1)
+_proxy_link_transfer[(1,)](done, num_warps=1)
 assert done.tolist() == [0], done
 print({DONE!r})
 """

@@ -141,16 +141,22 @@ def is_link(group: Any) -> bool:
 def parse_link(text: str) -> HostLink | None:
     """A link stand-in from a CLI flag: ``host`` (copy-engine speed, world 2), ``host:25`` (25 GB/s),
     ``host:25:w4`` (world size 4), ``host::w4`` (copy-engine speed, world 4); ``proxy:100:w8`` (a
-    ``ubatch.proxy_link.ProxyLink`` at 100 GB/s, world 8; it needs a bandwidth); ``none``: None."""
+    ``ubatch.proxy_link.ProxyLink`` at 100 GB/s, world 8; it needs a bandwidth), ``proxy:100:w8:warp``
+    (the same, its transfers waited for in one warp, seen in traces); ``none``: None."""
     if not isinstance(text, str):
         raise TypeError(f"link must be a str, got {type(text).__name__}")
     if text == "none":
         return None
     usage = (
         f"link {text!r}: expected none, host, host:GBPS, host:GBPS:wWORLD, host::wWORLD (e.g. host:25:w4) "
-        "or proxy:GBPS[:wWORLD]"
+        "or proxy:GBPS[:wWORLD][:warp]"
     )
     parts = text.split(":")
+    wait = "stream"
+    if parts[0] == "proxy" and len(parts) == 4:
+        wait = parts.pop()
+        if wait not in ("stream", "warp"):
+            raise ValueError(f"{usage}; a proxy link waits in the stream or in a warp, got {wait!r}")
     if parts[0] not in ("host", "proxy") or len(parts) > 3 or (len(parts) == 2 and not parts[1]):
         raise ValueError(usage)
     bandwidth = None
@@ -172,7 +178,7 @@ def parse_link(text: str) -> HostLink | None:
             raise ValueError(f"{usage}; a proxy link needs a bandwidth (proxy:GBPS)")
         from ubatch.proxy_link import ProxyLink
 
-        return ProxyLink(world_size, bandwidth)
+        return ProxyLink(world_size, bandwidth, wait=wait)
     return HostLink(world_size, bandwidth)
 
 
@@ -319,6 +325,7 @@ class HostLink:
     ring holds ``RING_SLOTS`` of them). ``bytes_moved`` counts every byte sent so far."""
 
     sizes_on_device = False  # its copies are sized when issued (or captured): no moved_rows
+    transfers_in_trace = True  # its copies are memcpy activities, which a profiler records
 
     def __init__(
         self,

@@ -11,8 +11,9 @@ request), PIECEWISE for prefill and mixed steps; FULL for prefill too where aske
 - ``eager_baseline_ms``: the unsplit step run eagerly, so the graphs' own gain shows;
 - ``compute_ms`` and ``comm_ms`` (and the ideal): how long compute and NCCL kernels were busy
   in one replay of the unsplit graph, from the kernels torch.profiler records
-  (``ubatch.bench.kernels``). Not the eager trace: where an eager step is host-bound its
-  launch gaps would count as compute;
+  (``ubatch.bench.kernels``; over a link stand-in whose transfers no profiler sees, M by the
+  link's own clock, ``ubatch.bench.link_clock``). Not the eager trace: where an eager step is
+  host-bound its launch gaps would count as compute;
 - ``hidden_comm_fraction``, ``ubatched_compute_ms``, ``ubatched_comm_ms`` and ``comm_stretch``:
   from the kernels of one replayed ubatched step; None (the fraction) when there are no NCCL
   kernels (one rank);
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from ubatch.bench.kernels import gathered_transfer_ms, hidden_kernel_fraction, kernel_costs, profile_kernels
+from ubatch.bench.link_clock import link_busy_ms, untraced_link
 from ubatch.bench.measure import Measurement, interleaved_samples_ms, median_ms, unsplit_call
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode
@@ -97,9 +99,14 @@ def measure_graphs(
         )
         baseline_kernels = profile_kernels(baseline, device)
         kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
+        link = untraced_link(model)  # its transfers are not in the traces: its own clock times them
+        link_ms = None if link is None else [link_busy_ms(fn, device, link) for fn in (baseline, ubatched)]
     finally:
         graphed.release()
     compute_ms, comm_ms = kernel_costs(baseline_kernels)
+    ubatched_busy = kernel_costs(kernels)
+    if link_ms is not None:
+        comm_ms, ubatched_busy = link_ms[0], (ubatched_busy[0], link_ms[1])
     transfer = gathered_transfer_ms(baseline_kernels), gathered_transfer_ms(kernels)
     return Measurement(
         statistics.median(baseline_samples),
@@ -111,7 +118,7 @@ def measure_graphs(
         eager_baseline_ms=eager_baseline_ms,
         graphs=True,
         capture_time_ms=capture_time_ms,
-        ubatched_busy_ms=kernel_costs(kernels),
+        ubatched_busy_ms=ubatched_busy,
         transfer_ms=None if None in transfer else transfer,
         baseline_samples_ms=baseline_samples,
         ubatched_samples_ms=ubatched_samples,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
+from ubatch.bench.link_clock import link_busy_ms, untraced_link
 from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms, step_forward
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, mode_step_ms
@@ -229,7 +230,7 @@ def sweep_modes(
                 if baseline is None:
                     baseline = fn
                     if graph_mode is not None:
-                        compute_ms, comm_ms, comm_samples, share = unsplit_costs(fn, device)
+                        compute_ms, comm_ms, comm_samples, share = unsplit_costs(fn, device, untraced_link(model))
                 else:
                     paired[mode.name] = paired_speedups(baseline, fn, device, repeats=repeats, group=group)
                     queued[mode.name] = queued_rounds(baseline, fn, device, repeats=repeats, group=group)
@@ -267,16 +268,23 @@ def sweep_modes(
     }
 
 
-def unsplit_costs(fn: Callable[[], Any], device: Any) -> tuple[float, float, list[float], float | None]:
+def unsplit_costs(
+    fn: Callable[[], Any], device: Any, link: Any = None
+) -> tuple[float, float, list[float], float | None]:
     """(C ms, M ms, each replay's M, the attention share) of the unsplit step: the medians over
     ``COST_REPLAYS`` profiled replays. One replay's M is one sample of the link's rate, and the
     ideal, the efficiency and ``scripts/sweep_at_ratio.py``'s M / C all rest on it (run 16: M
-    23.1 and 27.4 ms at one setting in two processes). The share (``kernels.attention_share``)
-    is None where a replay's collectives do not pair up (none without communication)."""
+    23.1 and 27.4 ms at one setting in two processes); over a ``link`` whose transfers a profiler
+    does not see (``link_clock.untraced_link``), each M is the link's own clock over a replay. The
+    share (``kernels.attention_share``) is None where a replay's collectives do not pair up (none
+    without communication, or none in the trace)."""
     replays = [profile_kernels(fn, device) for _ in range(COST_REPLAYS)]
     costs = [kernel_costs(kernels) for kernels in replays]
     shares = [attention_share(kernels) for kernels in replays]
-    comm = [m for _, m in costs]
+    if link is None:
+        comm = [m for _, m in costs]
+    else:
+        comm = [link_busy_ms(fn, device, link) for _ in range(COST_REPLAYS)]
     share = None if None in shares else statistics.median(shares)
     return statistics.median(c for c, _ in costs), statistics.median(comm), comm, share
 
