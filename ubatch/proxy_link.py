@@ -61,6 +61,7 @@ from ubatch.link import HostLink
 
 CALIBRATION_TRANSFERS = 32  # empty transfers timed at prepare(): the median is the fixed overhead
 REACHED_BYTES = (1 << 20, 64 << 20)  # payloads whose bandwidth describe() reports
+WAITS = ("stream", "warp")  # where the comm stream waits for a transfer: the driver (no SM), or one warp
 
 _PROXY_SOURCE = r"""
 #include <stdint.h>
@@ -172,7 +173,6 @@ _UNIT_BYTES_OFFSET = _Mailbox.unit_bytes.offset
 # Mailboxes of closed links, kept for the process with their napping threads: a graph that
 # captured a link still rings its doorbell and waits for its flag when replayed.
 _CLOSED_MAILBOXES: list[torch.Tensor] = []
-WAITS = ("stream", "warp")
 CU_STREAM_WAIT_VALUE_EQ = 1
 _library: ctypes.CDLL | None = None
 _driver: ctypes.CDLL | None = None
