@@ -109,11 +109,11 @@ static void *serve(void *arg) {
             double end = start + (double)(m->units * m->unit_bytes) / m->bytes_per_ns - m->overhead_ns;
             while (now_ns() < end) {}
         }
+        double set = now_ns();
+        m->served++;  /* counted before the flag: whoever sees the transfer done sees it counted */
+        if (open) m->busy_ns += set - start + m->overhead_ns;
         __sync_synchronize();
         m->done = 1;
-        double set = now_ns();
-        m->served++;
-        if (open) m->busy_ns += set - start + m->overhead_ns;
         /* How long the GPU leaves the flag set: a warp that could not get an SM (all held by
            kernels that leave no room) holds the comm stream past the link's time. */
         while (m->done == 1 && m->doorbell != 1 && !m->stop) {}
