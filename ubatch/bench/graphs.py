@@ -105,15 +105,17 @@ def measure_graphs(
         graphed.release()
     compute_ms, comm_ms = kernel_costs(baseline_kernels)
     ubatched_busy = kernel_costs(kernels)
-    if link_ms is not None:
-        comm_ms, ubatched_busy = link_ms[0], (ubatched_busy[0], link_ms[1])
+    hidden = hidden_kernel_fraction(kernels)
     transfer = gathered_transfer_ms(baseline_kernels), gathered_transfer_ms(kernels)
+    if link_ms is not None:  # the traces hold no transfer: nothing to say what hid or waited
+        comm_ms, ubatched_busy = link_ms[0], (ubatched_busy[0], link_ms[1])
+        hidden, transfer = None, (None, None)
     return Measurement(
         statistics.median(baseline_samples),
         statistics.median(ubatched_samples),
         compute_ms,
         comm_ms,
-        hidden_kernel_fraction(kernels),
+        hidden,
         [],
         eager_baseline_ms=eager_baseline_ms,
         graphs=True,
