@@ -4,7 +4,9 @@ No Python runs inside a CUDA graph, so the scheduler's event trace sees nothing 
 GPU's own kernel activity does. A kernel whose name contains "nccl" is communication, any other
 kernel compute. So are the link stand-in's (``ubatch.link``) copies between device and pinned
 host memory (its pacing included) and the proxy link's waiting warp (``_proxy_link_transfer``,
-``ubatch.proxy_link``); other copies and memsets count as neither.
+``ubatch.proxy_link`` with ``wait="warp"``); other copies and memsets count as neither. A proxy
+link that waits in the driver leaves only the copies of its sizes here (they still mark where
+each collective starts), and ``ubatch.bench.link_clock`` times its transfers.
 An NCCL kernel's time includes spinning until the other ranks arrive; gathered over the ranks,
 the kernels split it into transfer and waiting (``transfer_ms``).
 """
