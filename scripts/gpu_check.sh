@@ -201,7 +201,7 @@ fi
 proxy_ratio="python3 scripts/sweep_at_ratio.py --kind proxy --ratio 0.95"
 proxy_prefill="--graphs --prefill-graphs full --layers 4 --capacity-factor measured --workload prefill --prompt-len 512 --tokens 4096 --warmup 2 --repeats 3"
 proxy_decode="--graphs --layers 4 --capacity-factor measured --workload decode --tokens 256 --repeats 5"
-if want proxy; then  # the proxy-paced link: its tests and probe, then the issue's four points in the regime only it
+if want proxy; then  # the proxy-paced link: its tests, then the issue's four points in the regime only it
   # reaches (M / C 0.95, one rank of eight), the likeliest first; each sweep takes 1-2 minutes (run 27's over HostLink)
   timeout 120 python3 -m pytest -q --capture=sys -m cuda -p no:cacheprovider tests/test_proxy_link.py \
     tests/test_link.py::test_cuda_graph_capture_and_replay tests/test_send_rows.py 2>&1 \
@@ -209,7 +209,6 @@ if want proxy; then  # the proxy-paced link: its tests and probe, then the issue
   if grep -qE '[0-9]+ (failed|errors?)' "$OUT/gpu_proxy_link_tests.log"; then
     echo "proxy link tests failed: no sweeps over it"
   else
-    timeout 45 python3 scripts/probe_proxy_link.py --gbps 25 2>&1 | tee "$OUT/probe_proxy_link.log"
     timeout 150 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $proxy_prefill \
       --preset moe-bench --modes split4,split2+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
     timeout 120 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $proxy_decode \
