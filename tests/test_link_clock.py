@@ -34,3 +34,29 @@ def test_a_steps_link_time_is_what_its_collectives_charged():
     ms = link_busy_ms(unsplit_call(model, step), torch.device("cpu"), link)
     charged = link.bytes_moved - before
     assert charged > 0 and ms == pytest.approx(charged / 10e9 * 1e3)
+
+
+def test_the_unsplit_steps_m_comes_from_the_links_clock_and_c_from_its_kernels(monkeypatch):
+    """``modes.unsplit_costs`` over an untraced link: C from the profiled kernels (here a fixed
+    trace: 2 ms of compute, and a size copy that marks each of two collectives), each M sample the
+    link's time over a replay of the step."""
+    from ubatch.bench import modes
+    from ubatch.bench.kernels import Kernel
+
+    trace = [
+        Kernel("gemm", 0.0, 1000.0),
+        Kernel("Memcpy DtoH (Device -> Pinned)", 1000.0, 1002.0),
+        Kernel("gemm", 1002.0, 2002.0),
+        Kernel("Memcpy DtoH (Device -> Pinned)", 2002.0, 2004.0),
+    ]
+    monkeypatch.setattr(modes, "profile_kernels", lambda fn, device: trace)
+    link = ProxyLink(2, 10.0, device="cpu")
+    x = torch.randn(8, 1000)
+
+    def step():
+        link.all_to_all_single(torch.empty_like(x), x)  # 4 rows of 4000 bytes to the other rank: 1.6 us
+
+    compute_ms, comm_ms, samples, share = modes.unsplit_costs(step, torch.device("cpu"), link)
+    assert compute_ms == pytest.approx(2.0) and share == pytest.approx(0.5)
+    assert samples == pytest.approx([16_000 / 10e9 * 1e3] * modes.COST_REPLAYS) and comm_ms == pytest.approx(samples[0])
+    assert modes.unsplit_costs(step, torch.device("cpu"))[1] == pytest.approx(0.004), "without a link: the trace's"
