@@ -145,3 +145,44 @@ assert done.tolist() == [0], done
 print({DONE!r})
 """
     run_interpreted(script)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("expert_chunks", [1, 2])
+def test_cuda_moe_layer_over_the_link_is_charged_the_rows_the_plan_counted(expert_chunks):
+    """A static dispatch pads every block to its capacity; over a slow ProxyLink (10 MB/s, so the
+    rows' bytes set the time) the dispatch and the combine, whole or per expert group, take the
+    time of the rows to other ranks that hold a token: what the plan's kernels counted, copied to
+    the mailbox and multiplied by the row's bytes on the host. The values equal HostLink's."""
+    _compiler_or_skip()
+    from ubatch.link import HostLink
+    from ubatch.models import ModelConfig
+    from ubatch.models.dispatch import dispatch_row_width
+    from ubatch.models.moe import MoEFFN
+
+    config = ModelConfig.preset("tiny-deepseek")
+    world, gbps = 4, 0.01
+    link = ProxyLink(world, gbps)
+    layers = [MoEFFN(config, 0, device=torch.device("cuda"), ep_group=group) for group in (HostLink(world), link)]
+    for layer in layers:
+        layer.capacity_factor, layer.expert_chunks = 2.0, expert_chunks
+    x = torch.randn(29, config.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    with torch.no_grad():
+        layers[1](x)  # starts the host thread and compiles the kernels
+        torch.cuda.synchronize()
+        busy = link.busy_ms()
+        out = layers[1](x)
+        torch.cuda.synchronize()
+        busy = link.busy_ms() - busy
+        torch.testing.assert_close(out, layers[0](x), atol=0, rtol=0)
+    _, ids = layers[1].route(x)
+    rank_of = ids // layers[1].num_local_experts
+    remote = sum(int((rank_of == r).any(dim=1).sum()) for r in range(1, world))
+    assert int(layers[1].overflow_count) == 0, "a factor of 2 keeps every row of this batch"
+    row_bytes = 4 * dispatch_row_width(config.hidden_size, config.top_k, torch.float32) + 4 * config.hidden_size
+    real_ms = remote * row_bytes / (gbps * 1e6)
+    round_trips_ms = 2 * expert_chunks * 2 * link._proxy.overhead_us / 1e3  # a transfer takes at least one
+    assert real_ms * 0.95 <= busy <= real_ms + round_trips_ms + 0.3, (busy, real_ms)
+    padded_ms = expert_chunks * 29 * (world - 1) * row_bytes / (gbps * 1e6)  # what sizes set when issued would charge
+    assert busy < padded_ms * 0.9, (busy, padded_ms)
+    link.close()
