@@ -359,11 +359,11 @@ def test_a_timing_says_how_long_the_host_took_to_issue_the_run(monkeypatch):
 def test_a_queued_run_issues_its_steps_without_waiting_in_between(monkeypatch):
     """The queued timing drains the device around a run of QUEUED_STEPS steps, never between them,
     and reports the time per step; the table shows its columns only where a report has them."""
-    import ubatch.bench.modes as modes_module
+    import ubatch.bench.measure as measure_module
 
     events = []
-    monkeypatch.setattr(modes_module, "drain", lambda device: events.append("drain"))
-    run = modes_module.queued_call(lambda: events.append("step"), steps=3)
+    monkeypatch.setattr(measure_module, "drain", lambda device: events.append("drain"))
+    run = measure_module.queued_call(lambda: events.append("step"), steps=3)
     run()
     assert events == ["step"] * 3
     rows = [
@@ -783,7 +783,7 @@ def test_the_unsplit_steps_costs_are_medians_over_profiled_replays(monkeypatch):
 def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatch):
     """Each round runs the baseline and the mode back to back; the row reports the median round's
     ratio, the middle half of the rounds and the efficiency the ratio gives."""
-    import ubatch.bench.modes as modes_module
+    import ubatch.bench.measure as measure_module
 
     rounds = {"pipeline2": [(10.0, 8.0), (12.0, 9.0), (10.0, 9.0), (11.0, 10.0)]}
     calls = []
@@ -792,14 +792,14 @@ def test_every_mode_is_timed_against_the_kept_baseline_round_by_round(monkeypatc
         calls.append((len(fns), warmup, repeats))
         return [[b for b, _ in rounds["pipeline2"]], [m for _, m in rounds["pipeline2"]]]
 
-    monkeypatch.setattr(modes_module, "interleaved_samples_ms", interleaved)
+    monkeypatch.setattr(measure_module, "interleaved_samples_ms", interleaved)
     model = build_model(ModelConfig.preset("tiny-deepseek"), device="cpu")
     step, _ = make_step(model, [1] * 8, [4] * 8)
     modes = parse_modes("pipeline2")
     sweep = sweep_modes(model, step, modes, graph_mode=None, warmup=0, repeats=4)
     assert calls == [(2, 1, 4)] * 2, "per mode but the baseline, one paired and one queued timing of repeats rounds"
     assert sweep["paired_speedups"] == {"pipeline2": [1.25, 12 / 9, 10 / 9, 1.1]}
-    steps = modes_module.QUEUED_STEPS
+    steps = measure_module.QUEUED_STEPS
     assert sweep["queued_rounds"] == {"pipeline2": [(b / steps, m / steps) for b, m in rounds["pipeline2"]]}
     sweep["compute_ms"], sweep["comm_ms"] = 5.0, 4.0  # an ideal of 1.8
     rows = {row["mode"]: row for row in mode_rows(sweep, modes)}

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ubatch.bench.measure import measure
-from ubatch.bench.modes import slowest_rank_ms, sweep_modes
+from ubatch.bench.measure import measure, slowest_rank_ms
+from ubatch.bench.modes import sweep_modes
 from ubatch.bench.workload import Step, make_step
 from ubatch.context import CUDAGraphMode
 from ubatch.overlap import OverlapMode, parse_modes, supported

@@ -88,6 +88,59 @@ def interleaved_samples_ms(
     return samples
 
 
+QUEUED_STEPS = 5  # steps issued without waiting in between, per queued sample
+
+
+def paired_rounds(
+    baseline: Callable[[], Any],
+    fn: Callable[[], Any],
+    device: Any,
+    *,
+    repeats: int,
+    group: Any = None,
+    steps: int = 1,
+) -> list[tuple[float, float]]:
+    """(baseline ms, mode ms) of each of ``repeats`` rounds, the two runs of a round back to back
+    (``interleaved_samples_ms``; under torchrun each run's slowest rank), per step where a run
+    is ``steps`` steps (``queued_call``)."""
+    base, mode = interleaved_samples_ms([baseline, fn], device, warmup=1, repeats=repeats)
+    rounds = slowest_rank_ms({(i, k): ms for i, pair in enumerate(zip(base, mode)) for k, ms in enumerate(pair)}, group)
+    return [(rounds[i, 0] / steps, rounds[i, 1] / steps) for i in range(repeats)]
+
+
+def queued_rounds(
+    baseline: Callable[[], Any], fn: Callable[[], Any], device: Any, *, repeats: int, group: Any = None
+) -> list[tuple[float, float]]:
+    """``paired_rounds`` of runs of ``QUEUED_STEPS`` queued steps each (``queued_call``), per step."""
+    return paired_rounds(
+        queued_call(baseline), queued_call(fn), device, repeats=repeats, group=group, steps=QUEUED_STEPS
+    )
+
+
+def queued_call(fn: Callable[[], Any], steps: int = QUEUED_STEPS) -> Callable[[], Any]:
+    """``steps`` calls of ``fn`` issued one after another, nothing waited for in between: each
+    step's launches are queued while the one before runs (stream order keeps a step's input
+    copies behind the step before)."""
+
+    def run() -> Any:
+        for _ in range(steps):
+            out = fn()
+        return out
+
+    return run
+
+
+def slowest_rank_ms(timings_ms: dict[Any, float], group: Any) -> dict[Any, float]:
+    """Each timing's largest value over the ranks of ``group`` (every rank holds the same keys, in
+    the same order); the timings as they are without a group or over one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return dict(timings_ms)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    values = torch.tensor(list(timings_ms.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(timings_ms, values.tolist()))
+
+
 def event_times_ms(fn: Callable[[], Any], *, warmup: int = 5, repeats: int = 30) -> list[float]:
     """Device time (ms, CUDA events on the current stream) of each of ``repeats`` calls of
     ``fn`` after ``warmup`` untimed ones: a kernel's own time, without the host's, for kernel

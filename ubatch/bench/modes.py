@@ -29,13 +29,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ubatch.bench.ceiling import ceiling_fields
 from ubatch.bench.graphs import graph_mode_for, replay_call, step_uniform_tokens
 from ubatch.bench.kernels import attention_share, kernel_costs, profile_kernels
 from ubatch.bench.link_clock import link_busy_ms, untraced_link
-from ubatch.bench.measure import EagerRuns, drain, interleaved_samples_ms, step_forward
+from ubatch.bench.measure import (
+    EagerRuns,
+    drain,
+    paired_rounds,
+    queued_rounds,
+    slowest_rank_ms,
+    step_forward,
+)
 from ubatch.bench.roofline import device_ceilings, roofline_fields, shard_worlds
 from ubatch.bench.schedule import DEFAULT_ATTENTION_SHARE, ideal_speedup, mode_step_ms
 from ubatch.bench.workload import Step
@@ -51,7 +57,6 @@ QUICK_REPEATS = 3  # the short timing the mode policy picks from
 RUNOFF_MARGIN = 0.05  # short timings this close to the fastest are timed again
 RUNOFF_ROUNDS = 2  # each close mode ends with 1 + RUNOFF_ROUNDS short timings, their median kept
 PAIRED_ROUNDS = 3  # a pick that is not the measured best is timed against it this often, back to back
-QUEUED_STEPS = 5  # steps issued without waiting in between, per queued sample
 COST_REPLAYS = 3  # profiled replays of the unsplit step whose median C and M the ideal takes
 
 
@@ -308,56 +313,6 @@ def paired_speedups(
     ratios stray far less than two medians taken seconds apart (1.6-2.7% between two timings of
     one baseline on an H200)."""
     return [base / mode for base, mode in paired_rounds(baseline, fn, device, repeats=repeats, group=group)]
-
-
-def paired_rounds(
-    baseline: Callable[[], Any],
-    fn: Callable[[], Any],
-    device: Any,
-    *,
-    repeats: int,
-    group: Any = None,
-    steps: int = 1,
-) -> list[tuple[float, float]]:
-    """(baseline ms, mode ms) of each of ``repeats`` rounds, the two runs of a round back to back
-    (``interleaved_samples_ms``; under torchrun each run's slowest rank), per step where a run
-    is ``steps`` steps (``queued_call``)."""
-    base, mode = interleaved_samples_ms([baseline, fn], device, warmup=1, repeats=repeats)
-    rounds = slowest_rank_ms({(i, k): ms for i, pair in enumerate(zip(base, mode)) for k, ms in enumerate(pair)}, group)
-    return [(rounds[i, 0] / steps, rounds[i, 1] / steps) for i in range(repeats)]
-
-
-def queued_rounds(
-    baseline: Callable[[], Any], fn: Callable[[], Any], device: Any, *, repeats: int, group: Any = None
-) -> list[tuple[float, float]]:
-    """``paired_rounds`` of runs of ``QUEUED_STEPS`` queued steps each (``queued_call``), per step."""
-    return paired_rounds(
-        queued_call(baseline), queued_call(fn), device, repeats=repeats, group=group, steps=QUEUED_STEPS
-    )
-
-
-def queued_call(fn: Callable[[], Any], steps: int = QUEUED_STEPS) -> Callable[[], Any]:
-    """``steps`` calls of ``fn`` issued one after another, nothing waited for in between: each
-    step's launches are queued while the one before runs (stream order keeps a step's input
-    copies behind the step before)."""
-
-    def run() -> Any:
-        for _ in range(steps):
-            out = fn()
-        return out
-
-    return run
-
-
-def slowest_rank_ms(timings_ms: dict[Any, float], group: Any) -> dict[Any, float]:
-    """Each timing's largest value over the ranks of ``group`` (every rank holds the same keys, in
-    the same order); the timings as they are without a group or over one rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        return dict(timings_ms)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    values = torch.tensor(list(timings_ms.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(timings_ms, values.tolist()))
 
 
 def close_calls(quick_ms: dict[str, float], margin: float = RUNOFF_MARGIN) -> list[str]:
