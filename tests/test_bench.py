@@ -714,3 +714,22 @@ def test_prefill_replays_from_full_graphs_only_where_asked():
     assert graph_mode_for("prefill", "full") == CUDAGraphMode.FULL
     with pytest.raises(ValueError, match="prefill_graphs must be one of piecewise, full, got 'FULL'"):
         graph_mode_for("prefill", "FULL")
+
+
+def test_a_graph_rows_queued_speedup_is_its_median_rounds_and_shows_where_measured():
+    """Rounds of queued replays (per step, unsplit and ubatched) give the median round's ratio and
+    its efficiency against the same ideal (1.25x: C 8, M 2); the table shows them only where a
+    row has them (rows from before, and eager rows, have none)."""
+    import statistics
+
+    queued = [(9.0, 8.0), (9.5, 7.6), (9.2, 8.0)]  # ratios 1.125, 1.25, 1.15
+    m = Measurement(10.0, 8.2, 8.0, 2.0, 0.5, [], eager_baseline_ms=12.0, graphs=True, queued_rounds_ms=queued)
+    row = {"tokens_per_rank": 256, "num_ubatches": 2, "world_size": 1, **m.as_dict()}
+    assert row["queued_speedup"] == pytest.approx(1.15, abs=1e-4)
+    assert row["queued_efficiency"] == pytest.approx(0.15 / 0.25, abs=1e-3)
+    assert row["queued_baseline_ms"] == 9.2 and row["queued_ubatched_ms"] == statistics.median([8.0, 7.6, 8.0])
+    plain = _rows()
+    assert plain["queued_speedup"] is None and "queued" not in format_table([plain]).splitlines()[0]
+    table = format_table([plain, row]).splitlines()
+    head = table[0].split()
+    assert "queued" in head and "1.15x" in table[2].split() and "-" in table[1].split()

@@ -8,6 +8,9 @@ request), PIECEWISE for prefill and mixed steps; FULL for prefill too where aske
 
 - ``baseline_ms`` and ``ubatched_ms``: replays of the unsplit and of the N-ubatch graph, timed in
   shared rounds (medians, with the spread beside them, as in ``ubatch.bench.measure``);
+- ``queued_speedup`` (and ``queued_efficiency``): the same with ``QUEUED_STEPS`` replays issued
+  back to back per run, so each graph launch's host time hides under the replay before, as in a
+  runner that schedules ahead (``queued_baseline_ms`` / ``queued_ubatched_ms``: per step);
 - ``eager_baseline_ms``: the unsplit step run eagerly, so the graphs' own gain shows;
 - ``compute_ms`` and ``comm_ms`` (and the ideal): how long compute and NCCL kernels were busy
   in one replay of the unsplit graph, from the kernels torch.profiler records
@@ -34,10 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ubatch.bench.kernels import gathered_transfer_ms, hidden_kernel_fraction, kernel_costs, profile_kernels
 from ubatch.bench.link_clock import link_busy_ms, untraced_link
-from ubatch.bench.measure import Measurement, interleaved_samples_ms, median_ms, unsplit_call
+from ubatch.bench.measure import Measurement, interleaved_samples_ms, median_ms, queued_rounds, unsplit_call
 from ubatch.bench.workload import Step
 from ubatch.context import CUDAGraphMode
 from ubatch.graphed import GraphedModel, uniform_token_count
@@ -97,6 +101,8 @@ def measure_graphs(
         baseline_samples, ubatched_samples = interleaved_samples_ms(
             [baseline, ubatched], device, warmup=warmup, repeats=repeats
         )
+        ranks = dist.group.WORLD if dist.is_initialized() else None  # each round's slowest rank
+        queued = queued_rounds(baseline, ubatched, device, repeats=repeats, group=ranks)
         baseline_kernels = profile_kernels(baseline, device)
         kernels = profile_kernels(ubatched, device, chrome_trace=chrome_trace)
         link = untraced_link(model)  # its transfers are not in the traces: its own clock times them
@@ -124,6 +130,7 @@ def measure_graphs(
         transfer_ms=None if None in transfer else transfer,
         baseline_samples_ms=baseline_samples,
         ubatched_samples_ms=ubatched_samples,
+        queued_rounds_ms=queued,
     )
 
 

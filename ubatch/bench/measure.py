@@ -176,6 +176,9 @@ class Measurement:
     transfer_ms: tuple[float, float] | None = None  # NCCL time less waiting, (unsplit, ubatched)
     baseline_samples_ms: Sequence[float] = ()  # every timed repeat, in rounds shared with the ubatched ones
     ubatched_samples_ms: Sequence[float] = ()
+    # (unsplit, ubatched) ms per step of each round of QUEUED_STEPS steps issued without waiting
+    # in between (``queued_rounds``): a graph launch's host time then hides under the step before
+    queued_rounds_ms: Sequence[tuple[float, float]] = ()
 
     def calibration_sample(self) -> dict[str, float]:
         """What ``ubatch.policy.calibrate_from_samples`` reads of a two-ubatch measurement."""
@@ -242,6 +245,14 @@ class Measurement:
             return None
         return self.baseline_ms / max(self.ubatched_busy_ms[0], self.transfer_ms[1])
 
+    @property
+    def queued_speedup(self) -> float | None:
+        """The median round's unsplit over ubatched time per step with steps queued; None where
+        no queued rounds were timed."""
+        if not self.queued_rounds_ms:
+            return None
+        return statistics.median(base / ubatched for base, ubatched in self.queued_rounds_ms)
+
     def _efficiency_of(self, speedup: float | None) -> float | None:
         if speedup is None or self.ideal_speedup <= 1.0 + 1e-9:
             return None
@@ -287,6 +298,10 @@ class Measurement:
             "transfer_stretch": self.transfer_stretch,
             "speedup_bound": self.speedup_bound,
             "efficiency_bound": self.efficiency_bound,
+            "queued_baseline_ms": _median_of(base for base, _ in self.queued_rounds_ms),
+            "queued_ubatched_ms": _median_of(ubatched for _, ubatched in self.queued_rounds_ms),
+            "queued_speedup": self.queued_speedup,
+            "queued_efficiency": self._efficiency_of(self.queued_speedup),
         }
         return {
             "graphs": self.graphs,
@@ -297,6 +312,11 @@ class Measurement:
             if self.capture_time_ms is None
             else {n: round(ms, 4) for n, ms in self.capture_time_ms.items()},
         }
+
+
+def _median_of(values: Any) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
 
 
 def step_forward(runnable: Any, model: Any, step: Step, slices: Any = None) -> Any:

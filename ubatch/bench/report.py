@@ -145,6 +145,14 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         ("M ms", lambda r: _cell(r.get("comm_ms"))),
         ("ideal", lambda r: _cell(r.get("ideal_speedup"))),
         ("effic.", lambda r: _cell(r.get("efficiency"))),
+        *(
+            [
+                ("queued", lambda r: "-" if r.get("queued_speedup") is None else f"{_num(r['queued_speedup'])}x"),
+                ("queued effic.", lambda r: _cell(r.get("queued_efficiency"))),
+            ]
+            if _any(results, "queued_speedup")
+            else []
+        ),
         *([("bound", lambda r: _cell(r.get("efficiency_bound")))] if graphs else []),
         *([("ceiling", lambda r: _cell(r.get("efficiency_ceiling")))] if _any(results, "efficiency_ceiling") else []),
         ("hidden", lambda r: _cell(r.get("hidden_comm_fraction"))),
