@@ -56,6 +56,18 @@ def test_a_moe_split_reads_every_local_expert_again_unless_its_expert_stages_are
     )
 
 
+def test_joined_stages_read_the_shared_experts_once_unless_they_are_tensor_parallel():
+    shared = MOE.replace(num_shared_experts=1)  # one more expert's bytes, read by every token
+    per_ubatch = ATTENTION_BYTES + ROUTER_BYTES
+    assert extra_weight_bytes(shared, mode("split2+join"), MANY) == pytest.approx(2 * per_ubatch)
+    assert extra_weight_bytes(shared, mode("split2"), MANY) == pytest.approx(
+        2 * (per_ubatch + EXPERT_BYTES + 4 * EXPERT_BYTES)
+    )
+    # tensor-parallel shared experts keep their own all-reduce, so each ubatch runs its own
+    tp = extra_weight_bytes(shared, mode("split2+join"), MANY, tp_world=2)
+    assert tp > extra_weight_bytes(MOE, mode("split2+join"), MANY, tp_world=2)
+
+
 def test_a_split_of_few_tokens_reads_only_the_experts_its_ubatches_reach():
     # one token per rank and ubatch reaches at most top_k = 2 of the 4 experts: in expectation
     # 4 * (1 - (1 - 2/4)^1) = 2 per ubatch, against 4 * (1 - 0.5^2) = 3 for the whole step

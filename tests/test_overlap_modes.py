@@ -134,6 +134,32 @@ def test_shared_experts_run_while_the_dispatch_is_in_flight(monkeypatch):
     assert first_layer == ["start"] * 3 + ["shared", "wait"], events  # the row counts' exchange, a dispatch per group
 
 
+@pytest.mark.parametrize("name", ["split2+join", "split3+join+pipeline2"])
+def test_joined_stages_run_the_shared_experts_once_over_every_ubatch(name):
+    """With joined expert stages the shared experts run in the joined stage, once a layer over
+    every ubatch's rows (their weights read once, while the last dispatch is in flight), and the
+    step still equals unsplit; a split without joining runs them per ubatch."""
+    model = build_model(ModelConfig(**CONFIG), device="cpu", ep_group=HostLink(2, bandwidth_gbps=50.0))
+    calls = []
+    for layer in model.moe_layers.values():
+        layer.shared.register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+    query_lens = [5, 3, 4, 2]
+    step, cache = make_step(model, query_lens, [0, 4, 2, 7], block_size=4)
+    before = {layer: cache[layer].clone() for layer in model.layer_names}
+    expected = _forward(model, model, step)
+    wrapper = UBatchWrapper(model, num_ubatches=3)
+    layers = len(model.moe_layers)
+    for mode, per_layer in ((OverlapMode.parse(name), [14]), (OverlapMode.parse("split2"), [7, 7])):
+        for layer in model.layer_names:
+            cache[layer].copy_(before[layer])
+        apply_mode(model, mode)
+        calls.clear()
+        got = _forward(wrapper, model, step, split_batch(query_lens, mode.num_ubatches))
+        torch.testing.assert_close(got, expected, **TOL)
+        assert calls == per_layer * layers, (mode.name, calls)
+    apply_mode(model, OverlapMode())
+
+
 @pytest.mark.parametrize("capacity_factor", [2.0, None])  # the static dispatch and the counted one
 def test_token_chunks_start_every_dispatch_before_the_first_expert_gemm(monkeypatch, capacity_factor):
     """tokens2: both chunks' dispatches start (the counted dispatch after one exchange of both

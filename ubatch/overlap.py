@@ -13,7 +13,8 @@ is cheap that costs more than it hides. Two modes overlap without splitting the 
 
 A split can also keep the weights read once: with joined experts (``join``) each ubatch runs its
 own attention and dispatch, so one ubatch's attention hides another's transfer, but the expert
-GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``).
+GEMMs run once over every ubatch's rows (``MoEFFN.join_ubatches``), and so do the shared experts
+where they have no collective of their own.
 
 Chunked all-reduce (``allreduceK``), for tensor parallelism: each row-parallel projection (the
 attention's output projection, the MLP's down projection) runs in K chunks of rows, and each

@@ -2,7 +2,8 @@
 
 A split step's ubatches each read the weights every token needs (attention, norms, router, shared
 experts, a dense MLP), and unless their expert stages are joined each ubatch reads every local
-expert its own tokens reach, as does each token chunk of an expert stage. Own rows first runs each
+expert its own tokens reach, as does each token chunk of an expert stage; a joined stage also runs
+the shared experts once (where they are not tensor-parallel, ``MoEFFN._joined_stage``). Own rows first runs each
 expert stage as two GEMM calls, and chunked all-reduces run each row-parallel projection as one GEMM
 per chunk: each call reads its weights. No schedule hides those bytes: even with every transfer
 hidden and nothing else slower, the mode's step takes the unsplit step's compute plus their time at
@@ -30,7 +31,9 @@ def extra_weight_bytes(
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < mode.num_ubatches:
         raise ValueError(f"num_tokens must be an int >= {mode.num_ubatches} (one per ubatch), got {num_tokens!r}")
     n, weights = mode.num_ubatches, layer_weights(config, tp_world)
-    per_ubatch = weights.attention + weights.norms + weights.mlp + weights.router + weights.shared
+    shared_joined = mode.join_experts and tp_world == 1  # then read once, in the joined stage
+    per_ubatch = weights.attention + weights.norms + weights.mlp + weights.router
+    per_ubatch += 0 if shared_joined else weights.shared
     chunked = weights.attention_out + weights.mlp_down  # row-parallel: one GEMM per all-reduce chunk
     extra = (n - 1) * per_ubatch + n * (mode.all_reduce_chunks - 1) * chunked
     if config.kind == "moe":

@@ -133,7 +133,8 @@ class MoEFFN(nn.Module):
     every received row). ``join_ubatches`` joins the expert stages of a split step's ubatches:
     each ubatch routes and dispatches its own tokens (its attention ran under the others'
     transfers), then one grouped GEMM per expert group runs over every ubatch's rows, so a split
-    no longer reads the expert weights once per ubatch (eager and FULL graphs).
+    no longer reads the expert weights once per ubatch (eager and FULL graphs); so do the shared
+    experts where they are not tensor-parallel (``_joined_stage``).
     """
 
     def __init__(
@@ -286,7 +287,8 @@ class MoEFFN(nn.Module):
         (counted: per piece of the tokens, ``token_pieces``), every chunk's dispatch started
         before any expert GEMM. The shared experts run under the dispatches
         (single-batch overlap): they need only ``x``. With ``join_ubatches`` the expert stage waits
-        for every ubatch of the step and runs once over all their rows."""
+        for every ubatch of the step and runs once over all their rows, the shared experts'
+        with it."""
         weights, ids = self.route(x)
         if self.token_chunks > 1 and (self.join_ubatches or self.expert_chunks > 1):
             raise ValueError(
@@ -301,16 +303,23 @@ class MoEFFN(nn.Module):
             pieces = [slice(0, len(x))]
             sent = [self._dispatch_static(x, ids, weights)]
 
-        shared = self.shared(x) if self.shared is not None else None
-
         if self.join_ubatches:
             if islands.recording_active():
                 raise RuntimeError(
                     f"{self.name}: joined experts (join_ubatches=True) cannot be captured in a PIECEWISE graph, "
                     f"whose replay would run the join eagerly; use FULL graphs or run eagerly"
                 )
-            combines = [scheduler.join_ubatches(f"{self.name}.experts", sent[0][1], self._expert_stage)]
+            # shared experts with no collective of their own join the stage (once over every ubatch)
+            joins_shared = self.shared is not None and self.shared.tp_group is None
+            shared = self.shared(x) if self.shared is not None and not joins_shared else None
+            handles, joined_shared = scheduler.join_ubatches(
+                f"{self.name}.experts", (sent[0][1], x if joins_shared else None), self._joined_stage
+            )
+            combines = [handles]
+            if joins_shared:
+                shared = joined_shared
         else:
+            shared = self.shared(x) if self.shared is not None else None
             combines = [self._expert_stage([dispatched])[0] for _, dispatched in sent]
         out = x.new_empty(x.shape)  # contiguous, whatever x is
         for piece, (back_slot, dispatched), handles in zip(pieces, sent, combines):
@@ -537,6 +546,21 @@ class MoEFFN(nn.Module):
             splits=splits,
             comb_splits=list(zip(back_rows, comb_rows)),
         )
+
+    def _joined_stage(
+        self, values: list[tuple[_Dispatched, torch.Tensor | None]]
+    ) -> list[tuple[list[comm.CollectiveHandle | None], torch.Tensor | None]]:
+        """The expert stage joined over every ubatch (``_expert_stage``), each ubatch's handles
+        with its shared experts' output. Where the ubatches hand in their rows (shared experts with
+        no collective of their own) the shared experts run here once over all of them, before the
+        expert groups: their weights are read once, and they run while the last ubatch's dispatch
+        is in flight, when nothing else has work."""
+        rows = [x for _, x in values]
+        shared: list[torch.Tensor | None] = [None] * len(values)
+        if rows[0] is not None:
+            joined = rows[0] if len(rows) == 1 else torch.cat(rows)
+            shared = list(self.shared(joined).split([len(x) for x in rows]))
+        return list(zip(self._expert_stage([part for part, _ in values]), shared))
 
     def _expert_stage(self, parts: list[_Dispatched]) -> list[list[comm.CollectiveHandle | None]]:
         """Each expert group's GEMMs over the received rows of every part (one per ubatch when
