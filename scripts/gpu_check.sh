@@ -212,14 +212,19 @@ if want proxy; then  # the proxy-paced link: its tests, then the issue's four po
   else
     timeout 150 $proxy_ratio --world 8 --probe-gbps 34 --out "$OUT/proxy_moe_prefill4096_w8_r095.json" -- $proxy_prefill \
       --preset moe-bench --modes split4,split2+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
+    # the joined stages (which now run the shared experts too) against unsplit on the GPU, before they are swept
+    timeout 150 python3 -m pytest -q --capture=sys -m cuda -p no:cacheprovider -k joined_experts \
+      tests/test_gpu_overlap_modes.py 2>&1 | tee "$OUT/gpu_joined_tests.log" | tail -3
+    joined=",split3+join,split4+join,split2+join+pipeline4"
+    grep -qE '[0-9]+ (failed|errors?)' "$OUT/gpu_joined_tests.log" && joined="" && echo "joined stages failed: not swept"
     timeout 120 $proxy_ratio --world 8 --probe-gbps 24 --out "$OUT/proxy_ds_decode256_w8_r095.json" -- $proxy_decode \
-      --preset deepseek-bench --modes split2,split3+join,split4+join,split2+join+pipeline4 2>&1 | grep -E "^ +256|reached|auto"
+      --preset deepseek-bench --modes "split2$joined" 2>&1 | grep -E "^ +256|reached|auto"
     # as one rank of eight each expert takes 4096 rows, twice as many as in a world of four, so a
     # split's expert GEMMs lose less to part-empty tiles (a world the copy engines could not reach)
     timeout 150 $proxy_ratio --world 8 --probe-gbps 75 --out "$OUT/proxy_ds_prefill4096_w8_r095.json" -- $proxy_prefill \
       --preset deepseek-bench --modes split4,split3+tokens2,split4+tokens2 2>&1 | grep -E "^ +4096|reached|auto"
     timeout 90 $proxy_ratio --world 8 --probe-gbps 20 --out "$OUT/proxy_moe_decode256_w8_r095.json" -- $proxy_decode \
-      --preset moe-bench --modes split2,split3+join,split4+join 2>&1 | grep -E "^ +256|reached|auto"
+      --preset moe-bench --modes "split2${joined%,split2+join+pipeline4}" 2>&1 | grep -E "^ +256|reached|auto"
   fi
 fi
 if want proxy_more; then  # after proxy: the link's warp wait, what a ubatch and an expert group cost today over the
