@@ -3,9 +3,9 @@
 A split step's ubatches each read the weights every token needs (attention, norms, router, shared
 experts, a dense MLP), and unless their expert stages are joined each ubatch reads every local
 expert its own tokens reach, as does each token chunk of an expert stage; a joined stage also runs
-the shared experts once (where they are not tensor-parallel, ``MoEFFN._joined_stage``). Own rows first runs each
-expert stage as two GEMM calls, and chunked all-reduces run each row-parallel projection as one GEMM
-per chunk: each call reads its weights. No schedule hides those bytes: even with every transfer
+the shared experts once (where they are not tensor-parallel, ``MoEFFN._joined_stage``). Own rows
+first runs each expert stage as two GEMM calls, and chunked all-reduces run each row-parallel
+projection as one GEMM per chunk: each call reads its weights. No schedule hides those bytes: even with every transfer
 hidden and nothing else slower, the mode's step takes the unsplit step's compute plus their time at
 the GPU's datasheet bandwidth (a read no kernel beats). ``efficiency_ceiling`` turns that floor into
 the highest efficiency the mode can reach in the run that measured C, M and the unsplit step: where

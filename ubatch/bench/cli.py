@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_link,
         help="one process: communicate over a link stand-in instead of a process group, "
         "host[:GB/s][:wW] (the copy engines through host memory; bandwidth per direction, default their "
-        "speed; world size W, default 2) or proxy:GB/s[:wW] (a host thread paces each transfer, at any "
-        "bandwidth): would overlap pay on my cluster's links? Figures are labelled stand-in",
+        "speed; world size W, default 2) or proxy:GB/s[:wW][:warp] (a host thread paces each transfer, "
+        "at any bandwidth; the GPU waits in the driver, or with :warp in one warp that traces show): "
+        "would overlap pay on my cluster's links? Figures are labelled stand-in",
     )
     return p
 
